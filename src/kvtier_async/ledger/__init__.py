@@ -1,0 +1,42 @@
+"""The sans-I/O ledger: keys, transfer specs, eviction policies and the primary tier's books.
+
+Everything here is synchronous and single-owner; see `primary` for the state machine.
+"""
+
+from ._types import (
+    CPUSpec,
+    GPUSpec,
+    LedgerError,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    PrepareStoreOutput,
+    TierSpec,
+    get_group_idx,
+    make_offload_key,
+    split_offload_key,
+)
+from .policies import ARCPolicy, CachePolicy, LRUPolicy, SlotTable, make_policy
+from .primary import LedgerStatistics, PrimaryLedger
+
+__all__ = [
+    "ARCPolicy",
+    "CPUSpec",
+    "CachePolicy",
+    "GPUSpec",
+    "LRUPolicy",
+    "LedgerError",
+    "LedgerStatistics",
+    "LookupResult",
+    "Medium",
+    "OffloadKey",
+    "OffloadingEvent",
+    "PrepareStoreOutput",
+    "PrimaryLedger",
+    "SlotTable",
+    "TierSpec",
+    "get_group_idx",
+    "make_offload_key",
+    "split_offload_key",
+]

@@ -1,0 +1,397 @@
+"""Scenario tests of the primary ledger, one comment per step."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier_async.ledger import (
+    ARCPolicy,
+    CPUSpec,
+    GPUSpec,
+    LedgerError,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    PrimaryLedger,
+    TierSpec,
+    get_group_idx,
+    make_offload_key,
+    split_offload_key,
+)
+
+
+def k(i: int, group: int = 0) -> bytes:
+    return make_offload_key(i.to_bytes(8, "big"), group)
+
+
+def ks(*ids: int) -> list[bytes]:
+    return [k(i) for i in ids]
+
+
+def store(ledger: PrimaryLedger, ids: list[int], req: object = None) -> list[int]:
+    out = ledger.prepare_store(ks(*ids), req)
+    assert out is not None
+    ledger.complete_store(out.keys_to_store)
+    return [int.from_bytes(split_offload_key(key)[0], "big") for key in out.evicted_keys]
+
+
+def ids_of(keys: list[bytes]) -> list[int]:
+    return [int.from_bytes(split_offload_key(key)[0], "big") for key in keys]
+
+
+def verify_counts(ledger: PrimaryLedger) -> None:
+    stats = ledger.statistics()
+    assert stats.used + stats.free == stats.capacity
+    assert stats.evictable + stats.writing + stats.pinned == stats.used
+
+
+# --- keys and specs ---------------------------------------------------------------------
+
+
+def test_key_round_trip() -> None:
+    key = make_offload_key(b"\xab" * 16, 7)
+    assert key == b"\xab" * 16 + b"\x00\x00\x00\x07"
+    assert split_offload_key(key) == (b"\xab" * 16, 7)
+    assert get_group_idx(key) == 7
+
+
+@pytest.mark.parametrize("group", [-1, 1 << 32])
+def test_key_rejects_bad_group(group: int) -> None:
+    with pytest.raises(ValueError, match="group_idx"):
+        make_offload_key(b"h", group)
+
+
+def test_split_rejects_short_key() -> None:
+    with pytest.raises(ValueError, match="longer than 4"):
+        split_offload_key(b"\x00\x01")
+
+
+def test_specs() -> None:
+    gpu = GPUSpec.of([4, 5, 6, 9, 10], group_sizes=[3, 2], block_indices=[1, 0])
+    assert gpu.block_ids.dtype.name == "int64"
+    assert gpu.group_sizes == (3, 2) and gpu.block_indices == (1, 0)
+    assert gpu.medium is Medium.GPU and CPUSpec.of([1]).medium is Medium.CPU
+    with pytest.raises(ValueError, match="group_sizes"):
+        GPUSpec.of([1, 2], group_sizes=[1])
+    with pytest.raises(ValueError, match="block_indices"):
+        GPUSpec.of([1, 2], group_sizes=[2], block_indices=[0, 0])
+    with pytest.raises(ValueError, match="slot_ids"):
+        TierSpec.of([k(1)], [1, 2])
+
+
+# --- lookup, store, load ----------------------------------------------------------------
+
+
+def test_store_lifecycle_and_lookup() -> None:
+    ledger = PrimaryLedger(4)
+    # prepare store [1, 2]: being written
+    out = ledger.prepare_store(ks(1, 2))
+    assert out is not None and out.keys_to_store == ks(1, 2)
+    assert list(out.store_spec.slot_ids) == [0, 1]
+    assert ledger.lookup(k(1)) is LookupResult.HIT_PENDING
+    assert ledger.lookup(k(3)) is LookupResult.MISS
+    # complete store: readable
+    ledger.complete_store(ks(1, 2))
+    assert ledger.lookup(k(1)) is LookupResult.HIT
+    assert ledger.take_events() == [OffloadingEvent(ks(1, 2), Medium.CPU, removed=False)]
+    verify_counts(ledger)
+
+
+def test_capacity_four_evicts_oldest() -> None:
+    ledger = PrimaryLedger(4)
+    # store [1, 2]
+    store(ledger, [1, 2])
+    # store [2, 3, 4, 5]: 2 is present, 3 new keys, 2 free: evict 1 (2 is in the batch)
+    out = ledger.prepare_store(ks(2, 3, 4, 5))
+    assert out is not None
+    assert out.keys_to_store == ks(3, 4, 5)
+    assert out.evicted_keys == ks(1)
+    assert sorted(out.store_spec.slot_ids) == [0, 2, 3]
+    assert ledger.lookup(k(1)) is LookupResult.MISS
+    verify_counts(ledger)
+
+
+def test_prepare_store_fails_atomically() -> None:
+    ledger = PrimaryLedger(4)
+    # store [1, 2, 3] and pin 1, 2
+    store(ledger, [1, 2, 3])
+    ledger.prepare_load(ks(1, 2))
+    ledger.take_events()
+    before = (ledger.statistics(), sorted(ledger.keys()))
+    # prepare store [4, 5, 6]: needs 2 evictions, only 3 is evictable
+    assert ledger.prepare_store(ks(4, 5, 6)) is None
+    assert (ledger.statistics(), sorted(ledger.keys())) == before
+    assert ledger.take_events() == []
+
+
+def test_prepare_store_never_evicts_its_own_batch() -> None:
+    ledger = PrimaryLedger(2)
+    store(ledger, [1, 2])
+    # [1, 3]: one deficit, but 1 is in the batch and 2 is the only candidate
+    out = ledger.prepare_store(ks(1, 3))
+    assert out is not None and out.evicted_keys == ks(2)
+    # [1, 4] while 3 is being written and 1 is in the batch: nothing can go
+    out2 = ledger.prepare_store(ks(1, 4))
+    assert out2 is None  # 1 is protected, 3 is being written
+
+
+def test_writing_and_pinned_are_not_evicted() -> None:
+    ledger = PrimaryLedger(2)
+    ledger.prepare_store(ks(1))  # 1 writing
+    store(ledger, [2])
+    ledger.prepare_load(ks(2))  # 2 pinned
+    assert ledger.prepare_store(ks(3)) is None
+    ledger.complete_load(ks(2))
+    assert store(ledger, [3]) == [2]
+
+
+def test_failed_store_frees_only_unreadable_slots() -> None:
+    ledger = PrimaryLedger(4)
+    store(ledger, [1])
+    out = ledger.prepare_store(ks(1, 2, 3))
+    assert out is not None
+    # complete_store failure for [1, 2, 3]: 1 was already readable and stays
+    ledger.complete_store(ks(1, 2, 3), success=False)
+    assert ledger.lookup(k(1)) is LookupResult.HIT
+    assert ledger.lookup(k(2)) is LookupResult.MISS
+    assert ledger.statistics().free == 3
+    events = ledger.take_events()
+    assert events[-1] == OffloadingEvent(ks(2, 3), Medium.CPU, removed=True)
+    # freed slots are reused from the free list once fresh ones run out
+    out = ledger.prepare_store(ks(4, 5, 6))
+    assert out is not None and sorted(out.store_spec.slot_ids) == [1, 2, 3]
+    verify_counts(ledger)
+
+
+def test_slots_fresh_first_then_free_list() -> None:
+    ledger = PrimaryLedger(3)
+    store(ledger, [1])
+    out = ledger.prepare_store(ks(2))
+    assert out is not None
+    ledger.complete_store(ks(2), success=False)  # slot 1 back on the free list
+    out = ledger.prepare_store(ks(3))
+    assert out is not None and list(out.store_spec.slot_ids) == [2]  # fresh first
+    out = ledger.prepare_store(ks(4))
+    assert out is not None and list(out.store_spec.slot_ids) == [1]  # then the free list
+
+
+def test_prepare_load_pins_in_key_order_and_validates() -> None:
+    ledger = PrimaryLedger(4)
+    store(ledger, [1, 2, 3])
+    spec = ledger.prepare_load(ks(3, 1))
+    assert list(spec.slot_ids) == [2, 0]
+    assert ledger.ref_count(k(3)) == 1
+    # loading an absent key raises and pins nothing
+    with pytest.raises(LedgerError, match="absent"):
+        ledger.prepare_load(ks(2, 9))
+    assert ledger.ref_count(k(2)) == 0
+    # loading a key being written raises
+    ledger.prepare_store(ks(4))
+    with pytest.raises(LedgerError, match="being written"):
+        ledger.prepare_load(ks(4))
+    # double pin, then unpin twice
+    ledger.prepare_load(ks(3))
+    ledger.complete_load(ks(3, 3, 1))
+    assert ledger.ref_count(k(3)) == 0
+    with pytest.raises(LedgerError, match="not pinned"):
+        ledger.complete_load(ks(3))
+    verify_counts(ledger)
+
+
+def test_complete_store_ignores_unknown_keys() -> None:
+    ledger = PrimaryLedger(2)
+    ledger.complete_store(ks(7))
+    ledger.complete_store(ks(7), success=False)
+    assert ledger.take_events() == []
+
+
+def test_duplicate_keys_in_a_store_batch() -> None:
+    ledger = PrimaryLedger(4)
+    out = ledger.prepare_store(ks(1, 1, 2))
+    assert out is not None and out.keys_to_store == ks(1, 2)
+
+
+def test_reset_clears_and_reports() -> None:
+    ledger = PrimaryLedger(4)
+    store(ledger, [1, 2])
+    ledger.prepare_load(ks(1))
+    ledger.take_events()
+    ledger.reset()
+    assert ledger.lookup(k(1)) is LookupResult.MISS
+    assert ledger.statistics() == (4, 0, 4, 0, 0, 0, 1)
+    assert ledger.take_events() == [OffloadingEvent(ks(1, 2), Medium.CPU, removed=True)]
+    out = ledger.prepare_store(ks(3))
+    assert out is not None and list(out.store_spec.slot_ids) == [0]
+
+
+# --- LRU order --------------------------------------------------------------------------
+
+
+def test_lru_touch_refreshes() -> None:
+    ledger = PrimaryLedger(3)
+    store(ledger, [1])
+    store(ledger, [2])
+    store(ledger, [3])
+    # touch 1: 2 is now the least recent
+    ledger.touch(ks(1))
+    assert store(ledger, [4]) == [2]
+
+
+def test_lru_evicts_a_prefix_tail_before_its_head() -> None:
+    ledger = PrimaryLedger(6)
+    # request A stores the prefix [1, 2, 3] in two steps, request B stores [4, 5, 6] later
+    store(ledger, [1, 2], req="A")
+    store(ledger, [3], req="A")
+    ledger.request_finished("A")
+    store(ledger, [4, 5, 6], req="B")
+    # two evictions take A's tail first: 3, then 2; the head 1 survives
+    assert store(ledger, [7, 8]) == [3, 2]
+    assert ledger.lookup(k(1)) is LookupResult.HIT
+
+
+def test_lru_request_group_moves_on_use() -> None:
+    ledger = PrimaryLedger(4)
+    store(ledger, [1, 2], req="A")
+    store(ledger, [3, 4], req="B")
+    # A uses its prefix again: B's blocks become the oldest, tail first
+    ledger.touch(ks(1, 2), req="A")
+    assert store(ledger, [5]) == [4]
+
+
+def test_lru_shared_prefix_moves_to_the_latest_user() -> None:
+    ledger = PrimaryLedger(4)
+    store(ledger, [1, 2, 3], req="A")
+    store(ledger, [9], req="C")
+    # B hits the head [1, 2] of A's prefix: 3 is left alone in A's (older) group
+    ledger.touch(ks(1, 2), req="B")
+    assert store(ledger, [10, 11]) == [3, 9]
+
+
+def test_lru_evict_skips_pinned() -> None:
+    ledger = PrimaryLedger(3)
+    store(ledger, [1, 2, 3])
+    ledger.prepare_load(ks(3, 2))
+    assert store(ledger, [4]) == [1]
+    ledger.prepare_load(ks(4))
+    assert ledger.prepare_store(ks(5)) is None
+
+
+# --- ARC --------------------------------------------------------------------------------
+
+
+def arc(capacity: int) -> tuple[PrimaryLedger, ARCPolicy]:
+    ledger = PrimaryLedger(capacity, policy="arc")
+    assert isinstance(ledger.policy, ARCPolicy)
+    return ledger, ledger.policy
+
+
+def test_arc_reuse_moves_to_t2_and_survives_a_scan() -> None:
+    ledger, policy = arc(3)
+    store(ledger, [1, 2])
+    # 1 is reused: T2
+    ledger.touch(ks(1))
+    assert k(1) in policy.t2 and k(2) in policy.t1
+    # a scan of new keys evicts from T1 (2, then 3), never the reused 1
+    assert store(ledger, [3]) == []
+    assert store(ledger, [4]) == [2]
+    assert store(ledger, [5]) == [3]
+    assert ledger.lookup(k(1)) is LookupResult.HIT
+    assert list(policy.b1) == ks(2, 3)
+
+
+def test_arc_touch_of_a_key_being_written_keeps_it_in_t1() -> None:
+    ledger, policy = arc(2)
+    ledger.prepare_store(ks(1))
+    ledger.touch(ks(1))
+    assert k(1) in policy.t1
+
+
+def test_arc_ghost_hit_in_b1_grows_t1_target() -> None:
+    ledger, policy = arc(2)
+    store(ledger, [1])
+    store(ledger, [2])
+    assert store(ledger, [3]) == [1]  # 1 -> B1
+    assert policy.target_t1 == 0
+    # storing 1 again is a B1 ghost hit: target grows by max(1, |B2|/|B1|) = 1
+    store(ledger, [1])
+    assert policy.target_t1 == 1
+    assert k(1) not in policy.b1
+
+
+def test_arc_ghost_hit_in_b2_shrinks_t1_target() -> None:
+    ledger, policy = arc(2)
+    store(ledger, [1])
+    ledger.touch(ks(1))  # 1 -> T2
+    store(ledger, [2])
+    policy.target_t1 = 2.0  # favour T1: the next eviction comes from T2
+    assert store(ledger, [3]) == [1]  # 1 -> B2
+    store(ledger, [1])  # B2 ghost hit
+    assert policy.target_t1 == 1.0
+
+
+def test_arc_ghost_lists_are_capped() -> None:
+    ledger, policy = arc(2)
+    for i in range(10):
+        store(ledger, [i])
+    assert len(policy.b1) <= 2 and len(policy.b2) <= 2
+
+
+def test_arc_failed_eviction_changes_nothing() -> None:
+    ledger, policy = arc(2)
+    store(ledger, [1])
+    store(ledger, [2])
+    assert store(ledger, [3]) == [1]  # B1 = [1]
+    ledger.prepare_load(ks(2, 3))
+    # storing the ghost 1 needs an eviction that cannot happen: target stays put
+    assert ledger.prepare_store(ks(1)) is None
+    assert policy.target_t1 == 0 and list(policy.b1) == ks(1)
+
+
+# --- policy by name / module path, admission threshold -----------------------------------
+
+
+def test_policy_by_module_path() -> None:
+    ledger = PrimaryLedger(2, policy="kvtier_async.ledger.policies:ARCPolicy")
+    assert isinstance(ledger.policy, ARCPolicy)
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [("fifo", "eviction_policy must be one of"), ("kvtier_async.ledger:LedgerError", "CachePolicy")],
+)
+def test_bad_policy_names(name: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PrimaryLedger(2, policy=name)
+
+
+@pytest.mark.parametrize(("field", "kwargs"), [("num_slots", {"num_slots": 0}),
+                                               ("store_threshold", {"num_slots": 1, "store_threshold": 0})])
+def test_bad_arguments_name_the_field(field: str, kwargs: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match=field):
+        PrimaryLedger(**kwargs)
+
+
+def test_store_threshold_admits_on_the_nth_offer() -> None:
+    ledger = PrimaryLedger(4, store_threshold=2)
+    # first offer of [1, 2]: nothing stored
+    out = ledger.prepare_store(ks(1, 2))
+    assert out is not None and out.keys_to_store == []
+    # second offer of [1], first of [3]: only 1 is admitted
+    out = ledger.prepare_store(ks(1, 3))
+    assert out is not None and out.keys_to_store == ks(1)
+
+
+def test_store_threshold_does_not_count_a_failed_offer() -> None:
+    ledger = PrimaryLedger(1, store_threshold=2)
+    store(ledger, [1])
+    store(ledger, [1])
+    ledger.prepare_load(ks(1))
+    # first offer of 2 is counted (nothing admitted)
+    assert ledger.prepare_store(ks(2)) is not None
+    # [2, 3]: 2 is admitted but there is no room: fails, and 3's offer is not counted
+    assert ledger.prepare_store(ks(2, 3)) is None
+    ledger.complete_load(ks(1))
+    out = ledger.prepare_store(ks(3))
+    assert out is not None and out.keys_to_store == []
+    out = ledger.prepare_store(ks(2))
+    assert out is not None and out.keys_to_store == ks(2)

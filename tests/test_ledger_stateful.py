@@ -1,0 +1,169 @@
+"""Random operation sequences against the primary ledger, with its invariants after each step."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvtier_async.ledger import LedgerError, LookupResult, PrimaryLedger, make_offload_key
+
+KEYS = [make_offload_key(i.to_bytes(4, "big"), i % 2) for i in range(12)]
+key_lists = st.lists(st.sampled_from(KEYS), max_size=6)
+reqs = st.sampled_from([None, "a", "b", "c"])
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    policy = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger = PrimaryLedger(5, policy=self.policy, store_threshold=1)
+        self.pins: Counter[bytes] = Counter()  # what the test pinned and has not unpinned
+        self.writing: set[bytes] = set()
+        self.announced: set[bytes] = set()  # readable keys according to the events
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def snapshot(self) -> tuple[object, ...]:
+        led = self.ledger
+        return (led.statistics(), dict(led._slot_of), list(led._ref), list(led._key_of))
+
+    def apply_events(self) -> None:
+        for event in self.ledger.take_events():
+            if event.removed:
+                self.announced.difference_update(event.keys)
+            else:
+                self.announced.update(event.keys)
+
+    def readable(self) -> list[bytes]:
+        return [key for key in KEYS if self.ledger.lookup(key) is LookupResult.HIT]
+
+    # --- rules --------------------------------------------------------------------------
+
+    @rule(keys=key_lists, req=reqs)
+    def prepare_store(self, keys: list[bytes], req: str | None) -> None:
+        before = self.snapshot()
+        present = {key for key in keys if key in self.ledger}
+        out = self.ledger.prepare_store(keys, req)
+        if out is None:
+            assert self.snapshot() == before
+            return
+        assert not set(out.keys_to_store) & present
+        assert not set(out.evicted_keys) & set(keys)
+        assert not set(out.evicted_keys) & (set(self.pins) | self.writing)
+        assert len(out.store_spec) == len(out.keys_to_store)
+        self.writing.update(out.keys_to_store)
+
+    @precondition(lambda self: self.writing)
+    @rule(data=st.data(), success=st.booleans())
+    def complete_store(self, data: st.DataObject, success: bool) -> None:
+        keys = data.draw(st.lists(st.sampled_from(sorted(self.writing)), min_size=1))
+        self.ledger.complete_store(keys, success)
+        self.writing.difference_update(keys)
+        for key in set(keys):
+            expected = LookupResult.HIT if success else LookupResult.MISS
+            assert self.ledger.lookup(key) is expected
+
+    @rule(data=st.data())
+    def prepare_load(self, data: st.DataObject) -> None:
+        readable = self.readable()
+        keys = data.draw(st.lists(st.sampled_from(readable), max_size=4)) if readable else []
+        spec = self.ledger.prepare_load(keys)
+        assert [self.ledger.slot_of(key) for key in keys] == list(spec.slot_ids)
+        self.pins.update(keys)
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def complete_load(self, data: st.DataObject) -> None:
+        pinned = sorted(self.pins.elements())
+        keys = data.draw(st.lists(st.sampled_from(pinned), min_size=1, max_size=3, unique=True))
+        self.ledger.complete_load(keys)
+        self.pins.subtract(keys)
+        self.pins = +self.pins
+
+    @rule(keys=key_lists)
+    def load_of_missing_key_changes_nothing(self, keys: list[bytes]) -> None:
+        missing = [key for key in KEYS if self.ledger.lookup(key) is not LookupResult.HIT]
+        if not missing:
+            return
+        before = self.snapshot()
+        try:
+            self.ledger.prepare_load([*keys, missing[0]])
+        except LedgerError:
+            pass
+        else:
+            raise AssertionError("prepare_load of an unreadable key did not raise")
+        assert self.snapshot() == before
+
+    @rule(keys=key_lists, req=reqs)
+    def touch(self, keys: list[bytes], req: str | None) -> None:
+        before = self.ledger.statistics()
+        self.ledger.touch(keys, req)
+        assert self.ledger.statistics() == before
+
+    @rule(req=reqs)
+    def request_finished(self, req: str | None) -> None:
+        if req is not None:
+            self.ledger.request_finished(req)
+
+    @rule()
+    def reset(self) -> None:
+        self.ledger.reset()
+        self.pins.clear()
+        self.writing.clear()
+
+    # --- invariants ---------------------------------------------------------------------
+
+    @invariant()
+    def slots_are_owned_once(self) -> None:
+        led = self.ledger
+        owners = [key for key in led._key_of if key is not None]
+        assert len(owners) == len(set(owners)) == len(led._slot_of)
+        for key, slot in led._slot_of.items():
+            assert led._key_of[slot] == key
+            assert led._ref[slot] >= -1
+
+    @invariant()
+    def counters_match_a_scan(self) -> None:
+        led = self.ledger
+        refs = [led._ref[slot] for slot in led._slot_of.values()]
+        stats = led.statistics()
+        assert stats.used + stats.free == stats.capacity
+        assert stats.writing == refs.count(-1)
+        assert stats.evictable == refs.count(0)
+        assert stats.pinned == sum(r > 0 for r in refs)
+
+    @invariant()
+    def pinned_and_writing_keys_stay(self) -> None:
+        for key, count in self.pins.items():
+            assert self.ledger.ref_count(key) == count
+        for key in self.writing:
+            assert self.ledger.ref_count(key) == -1
+
+    @invariant()
+    def events_agree_with_state(self) -> None:
+        self.apply_events()
+        assert self.announced == set(self.readable())
+
+
+class ARCLedgerMachine(LedgerMachine):
+    policy = "arc"
+
+    @invariant()
+    def arc_lists_partition_the_cache(self) -> None:
+        policy = self.ledger.policy
+        held = set(self.ledger.keys())
+        t1 = {key for key in KEYS if key in policy.t1}  # type: ignore[attr-defined]
+        t2 = {key for key in KEYS if key in policy.t2}  # type: ignore[attr-defined]
+        assert t1 | t2 == held and not t1 & t2
+        assert len(policy.b1) <= 5 and len(policy.b2) <= 5  # type: ignore[attr-defined]
+        assert not (set(policy.b1) | set(policy.b2)) & held  # type: ignore[attr-defined]
+
+
+TestLRULedger = LedgerMachine.TestCase
+TestLRULedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestARCLedger = ARCLedgerMachine.TestCase
+TestARCLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
