@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 __all__ = [
     "ARCPolicy",
@@ -65,8 +65,10 @@ class GroupedRecency:
     def __contains__(self, key: object) -> bool:
         return key in self._group_of
 
-    def put(self, keys: Iterable[bytes], gid: int) -> None:
+    def put(self, keys: Sequence[bytes], gid: int) -> None:
         """Move ``keys`` (present or not) to the end of group ``gid``, made most recent."""
+        if not keys:
+            return
         members = self._groups.get(gid)
         if members is None:
             members = self._groups[gid] = {}
@@ -114,8 +116,8 @@ class CachePolicy(ABC):
         self.table = table
 
     @abstractmethod
-    def insert(self, key: bytes, gid: int) -> None:
-        """A new key (being written) joins the cache as part of group ``gid``."""
+    def insert(self, keys: Sequence[bytes], gid: int) -> None:
+        """New keys (being written, head -> tail) join the cache as part of group ``gid``."""
 
     @abstractmethod
     def remove(self, key: bytes) -> None:
@@ -144,8 +146,8 @@ class LRUPolicy(CachePolicy):
         super().__init__(capacity, table)
         self._order = GroupedRecency()
 
-    def insert(self, key: bytes, gid: int) -> None:
-        self._order.put((key,), gid)
+    def insert(self, keys: Sequence[bytes], gid: int) -> None:
+        self._order.put(keys, gid)
 
     def remove(self, key: bytes) -> None:
         self._order.discard(key)
@@ -196,31 +198,36 @@ class ARCPolicy(CachePolicy):
         self.b1: OrderedDict[bytes, None] = OrderedDict()
         self.b2: OrderedDict[bytes, None] = OrderedDict()
 
-    def insert(self, key: bytes, gid: int) -> None:
-        self.b1.pop(key, None)
-        self.b2.pop(key, None)
-        self.t1.put((key,), gid)
+    def insert(self, keys: Sequence[bytes], gid: int) -> None:
+        b1, b2 = self.b1, self.b2
+        if b1 or b2:
+            for key in keys:
+                b1.pop(key, None)
+                b2.pop(key, None)
+        self.t1.put(keys, gid)
 
     def remove(self, key: bytes) -> None:
         if not self.t1.discard(key):
             self.t2.discard(key)
 
     def touch(self, keys: Sequence[bytes], gid: int) -> None:
-        t1, table = self.t1, self.table
+        t1, t2 = self.t1, self.t2
+        slot_of, ref = self.table.slot_of, self.table.ref
         to_t1: list[bytes] = []
         to_t2: list[bytes] = []
         for key in keys:
-            if key in t1:
-                # A block still being written was not used twice: it stays in T1.
-                (to_t2 if table.ready(key) else to_t1).append(key)
-            elif key in self.t2:
-                to_t2.append(key)
-            else:
+            slot = slot_of.get(key)
+            if slot is None:
                 self.target_t1 = self._adapted(self.target_t1, key, commit=True)
-        for key in to_t2:
-            t1.discard(key)
+            elif key not in t1:
+                to_t2.append(key)
+            elif ref[slot] < 0:
+                to_t1.append(key)  # still being written: not a second use, stays in T1
+            else:
+                t1.discard(key)
+                to_t2.append(key)
         t1.put(to_t1, gid)
-        self.t2.put(to_t2, gid)
+        t2.put(to_t2, gid)
 
     def _adapted(self, target: float, key: bytes, *, commit: bool) -> float:
         """Target T1 size after a ghost hit on ``key`` (B1 hit: favour recency)."""

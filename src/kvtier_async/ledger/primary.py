@@ -27,7 +27,7 @@ Counters (free, evictable, writing) are kept incrementally, never recomputed by 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -139,8 +139,11 @@ class PrimaryLedger:
 
     def prepare_load(self, keys: Sequence[bytes]) -> CPUSpec:
         """Pin readable keys against eviction; their slots, in key order."""
-        slots = [self._readable_slot(key) for key in keys]
-        ref = self._ref
+        slot_of, ref = self._slot_of, self._ref
+        slots = [slot_of.get(key, -1) for key in keys]
+        for key, slot in zip(keys, slots):
+            if slot < 0 or ref[slot] < 0:
+                self._refuse_load(key)
         for slot in slots:
             count = ref[slot]
             if count == 0:
@@ -148,26 +151,21 @@ class PrimaryLedger:
             ref[slot] = count + 1
         return CPUSpec(np.array(slots, dtype=np.int64))
 
-    def _readable_slot(self, key: bytes) -> int:
-        slot = self._slot_of.get(key)
-        if slot is None or self._ref[slot] < 0:
-            state = "absent" if slot is None else "being written"
-            raise LedgerError(f"cannot load key {key.hex()}: it is {state}")
-        return slot
+    def _refuse_load(self, key: bytes) -> None:
+        state = "absent" if key not in self._slot_of else "being written"
+        raise LedgerError(f"cannot load key {key.hex()}: it is {state}")
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         """Unpin keys pinned by `prepare_load`."""
-        slots = [self._slot_of.get(key) for key in keys]
-        needed: dict[int, int] = {}
+        slot_of, ref = self._slot_of, self._ref
+        slots = [slot_of.get(key, -1) for key in keys]
+        needed = Counter(slots) if len(set(slots)) < len(slots) else dict.fromkeys(slots, 1)
         for key, slot in zip(keys, slots):
-            if slot is None:
-                raise LedgerError(f"cannot complete load of key {key.hex()}: it is absent")
-            needed[slot] = needed.get(slot, 0) + 1
-            if self._ref[slot] < needed[slot]:
-                raise LedgerError(f"cannot complete load of key {key.hex()}: it is not pinned")
-        ref = self._ref
-        for slot in needed:
-            count = ref[slot] - needed[slot]
+            if slot < 0 or ref[slot] < needed[slot]:
+                state = "absent" if slot < 0 else "not pinned"
+                raise LedgerError(f"cannot complete load of key {key.hex()}: it is {state}")
+        for slot, n in needed.items():
+            count = ref[slot] - n
             ref[slot] = count
             if count == 0:
                 self._num_evictable += 1
@@ -249,12 +247,12 @@ class PrimaryLedger:
         self._fresh += num_fresh
         free = self._free
         slots.extend(free.pop() for _ in range(len(keys) - num_fresh))
-        slot_of, key_of, ref, insert = self._slot_of, self._key_of, self._ref, self.policy.insert
+        slot_of, key_of, ref = self._slot_of, self._key_of, self._ref
         for key, slot in zip(keys, slots):
             slot_of[key] = slot
             key_of[slot] = key
             ref[slot] = -1
-            insert(key, gid)
+        self.policy.insert(keys, gid)
         self._num_writing += len(keys)
         return slots
 
