@@ -1,0 +1,25 @@
+"""CPU-tier memory: the shared mmap region that backs the primary (CPU) tier."""
+
+from kvtier_async.memory.region import (
+    PAGE_SIZE,
+    RegionError,
+    RegionInUseError,
+    RegionLayoutError,
+    SharedRegion,
+    StaleRegionError,
+    find_stale_regions,
+    region_path,
+    remove_stale_regions,
+)
+
+__all__ = [
+    "PAGE_SIZE",
+    "RegionError",
+    "RegionInUseError",
+    "RegionLayoutError",
+    "SharedRegion",
+    "StaleRegionError",
+    "find_stale_regions",
+    "region_path",
+    "remove_stale_regions",
+]

@@ -1,0 +1,664 @@
+"""The CPU tier's physical store: one shared, page-aligned mmap file per instance.
+
+Theory of operation
+-------------------
+Every worker (TP rank, usually a separate process) of an engine instance maps the
+same file, ``<directory>/kvtier_<instance_id>.mmap`` (``/dev/shm`` by default), so
+a secondary tier in any process can read any slot without a copy.
+
+*Creation race.* Each worker tries ``open(O_CREAT | O_EXCL)``. The one that wins
+is the creator: it checks free space, writes an owner record beside the file
+(``.owner``, see :mod:`._owner`), then ``ftruncate``\\ s the file to its final
+size, which is what the others wait for. The others open the existing file and
+poll ``fstat`` until the size is right (a constructor at process start-up, not
+the event loop, so a short poll is fine). They fail fast when the creator
+unlinked the file (``st_nlink == 0``: it failed), when the size or layout differs
+from theirs (another configuration), or when the creator is dead (a stale file).
+If the creator fails after winning, it removes the file so waiters fail fast.
+
+*Layout.* A slot is padded to a page-aligned row of ``row_bytes`` and rows are
+interleaved by worker: slot ``b`` of worker ``w`` is row ``b * num_workers + w``::
+
+    w0_b0 | w1_b0 | ... | w{n-1}_b0 | w0_b1 | w1_b1 | ...
+
+Every slot starts on a page boundary, so O_DIRECT reads may target it.
+
+*Prefaulting.* Each worker pre-faults its own rows with
+``madvise(MADV_POPULATE_WRITE)`` (one call when it is the only worker), falling
+back on older kernels to a read-modify-write of one byte per page, which keeps
+whatever a peer has already written.
+
+*Views.* ``rows``, ``slot_view``, ``numpy`` and ``torch`` all alias the mapping
+(checked against its address, never copied). Each one pins the mapping: a mapping
+cannot be unmapped while any of them, or any slice of them, is alive, so callers
+must drop them before :meth:`SharedRegion.close`, which otherwise raises
+:class:`RegionInUseError` (after unlinking the file; call it again once the views
+are gone).
+
+*Clean-up.* The creator unlinks the file on close; peers keep their mappings
+until they close. If the creator dies without closing, the file outlives it:
+:func:`find_stale_regions` reports such files and :func:`remove_stale_regions`
+deletes them. A region whose creator is alive is never reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import math
+import mmap
+import operator
+import os
+import re
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier_async._log import get_logger
+from kvtier_async.memory._owner import OwnerRecord, is_alive, read_owner, write_owner
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "RegionError",
+    "RegionInUseError",
+    "RegionLayoutError",
+    "SharedRegion",
+    "StaleRegionError",
+    "find_stale_regions",
+    "region_path",
+    "remove_stale_regions",
+]
+
+log = get_logger(__name__)
+
+PAGE_SIZE: Final = mmap.PAGESIZE
+# MADV_POPULATE_WRITE appeared in Linux 5.14; Python's mmap exports it from 3.13.
+_MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_ID_PATTERN: Final = r"[A-Za-z0-9_.-]{1,200}"
+_ID_RE: Final = re.compile(_ID_PATTERN)
+_FILE_RE: Final = re.compile(rf"kvtier_{_ID_PATTERN}\.mmap")
+_OWNER_SUFFIX: Final = ".owner"
+_POLL_MAX_S: Final = 0.05
+_sleep: Callable[[float], None] = time.sleep  # the size poll's wait; tests replace it
+
+
+class RegionError(RuntimeError):
+    """A shared region could not be created, joined or used."""
+
+
+class RegionLayoutError(RegionError):
+    """An existing region file was created with a different size or layout."""
+
+
+class StaleRegionError(RegionError):
+    """An existing region file belongs to a creator that is no longer running."""
+
+
+class RegionInUseError(RegionError, BufferError):
+    """The mapping cannot be unmapped: views of it are still alive."""
+
+
+def region_path(directory: str | os.PathLike[str], instance_id: str) -> Path:
+    """Path of the region file of ``instance_id`` in ``directory``."""
+    return Path(directory) / f"kvtier_{_check_instance_id(instance_id)}.mmap"
+
+
+class SharedRegion:
+    """One worker's handle on an instance's shared CPU region.
+
+    Args:
+        instance_id: Names the region; 1-200 characters from ``[A-Za-z0-9_.-]``.
+        num_slots: Slots per worker (>= 1).
+        slot_bytes: Usable bytes per slot (>= 1); rows are padded to whole pages.
+        num_workers: Workers sharing the region (>= 1).
+        worker_rank: This worker, ``0 <= worker_rank < num_workers``.
+        directory: Where the file lives; ``/dev/shm`` keeps it in RAM.
+        wait_timeout_s: How long a non-creator waits for the creator to size the file.
+
+    Raises:
+        ValueError: An argument is invalid (the message names it).
+        TimeoutError: The creator did not size the file within ``wait_timeout_s``.
+        RegionLayoutError: The file was sized for a different configuration.
+        StaleRegionError: The file's creator is dead; see :func:`remove_stale_regions`.
+        RegionError: The creator removed the file before sizing it, or prefaulting failed.
+        OSError: The directory lacks space or permissions.
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        num_slots: int,
+        slot_bytes: int,
+        *,
+        num_workers: int = 1,
+        worker_rank: int = 0,
+        directory: str | os.PathLike[str] = "/dev/shm",
+        wait_timeout_s: float = 30.0,
+    ) -> None:
+        self._instance_id = _check_instance_id(instance_id)
+        self._num_slots = _check_int("num_slots", num_slots, low=1)
+        self._slot_bytes = _check_int("slot_bytes", slot_bytes, low=1)
+        self._num_workers = _check_int("num_workers", num_workers, low=1)
+        self._rank = _check_int("worker_rank", worker_rank, low=0, high=self._num_workers)
+        self._row_bytes = _round_up(self._slot_bytes, PAGE_SIZE)
+        self._size = self._num_slots * self._num_workers * self._row_bytes
+        self._path = region_path(_check_directory(directory), instance_id)
+        deadline = time.monotonic() + _check_timeout(wait_timeout_s)
+        self._closed = False
+        self._cuda_registered = False
+        self._pid = os.getpid()  # a forked child inherits the handle, not the ownership
+        fd, self._creator = _open_or_create(self._path, deadline)
+        try:
+            self._inode = os.fstat(fd).st_ino
+            if self._creator:
+                self._init_as_creator(fd)
+            else:
+                self._join(fd, deadline)
+            self._mm: mmap.mmap | None = self._map(fd)
+        except BaseException:
+            if self._creator:
+                self._unlink()
+            raise
+        finally:
+            os.close(fd)  # mmap keeps its own duplicate
+        self._address = _buffer_address(self._mm)
+        log.info(
+            "shared region ready",
+            path=str(self._path),
+            creator=self._creator,
+            worker_rank=self._rank,
+            size_bytes=self._size,
+        )
+
+    # -- properties -------------------------------------------------------------
+
+    @property
+    def instance_id(self) -> str:
+        return self._instance_id
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per row: ``slot_bytes`` rounded up to whole pages."""
+        return self._row_bytes
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    @property
+    def worker_rank(self) -> int:
+        return self._rank
+
+    @property
+    def size_bytes(self) -> int:
+        """Size of the file and mapping: ``num_slots * num_workers * row_bytes``."""
+        return self._size
+
+    @property
+    def is_creator(self) -> bool:
+        """Whether this handle created the file (and so unlinks it on close).
+
+        Only in the creating process: a copy inherited through ``fork`` never unlinks.
+        """
+        return self._creator and os.getpid() == self._pid
+
+    @property
+    def is_cuda_registered(self) -> bool:
+        return self._cuda_registered
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- zero-copy views --------------------------------------------------------
+
+    @property
+    def rows(self) -> memoryview:
+        """Every worker's rows: shape ``(num_slots * num_workers, row_bytes)``, format ``B``.
+
+        CPython cannot index a 2-D memoryview by row (``rows[r]`` raises
+        NotImplementedError); use ``rows.cast("B")`` with byte offsets,
+        ``np.asarray(rows)[r]``, or :meth:`slot_view` for this worker's slots.
+        """
+        return memoryview(self._mapping()).cast(
+            "B", (self._num_slots * self._num_workers, self._row_bytes)
+        )
+
+    def slot_view(self, slot: int, *, padded: bool = False) -> memoryview:
+        """This worker's slot ``slot``: ``slot_bytes`` long, or ``row_bytes`` if ``padded``.
+
+        The padded view spans whole pages, as O_DIRECT reads and writes need.
+        """
+        start = self._slot_offset(slot)
+        end = start + (self._row_bytes if padded else self._slot_bytes)
+        return memoryview(self._mapping())[start:end]
+
+    def slot_address(self, slot: int) -> int:
+        """Virtual address of this worker's slot ``slot`` (page-aligned)."""
+        offset = self._slot_offset(slot)
+        self._mapping()
+        return self._address + offset
+
+    def numpy(self) -> npt.NDArray[np.uint8]:
+        """This worker's slots as a ``(num_slots, slot_bytes)`` uint8 strided array."""
+        arr: npt.NDArray[np.uint8] = np.ndarray(
+            (self._num_slots, self._slot_bytes),
+            dtype=np.uint8,
+            buffer=self._mapping(),
+            offset=self._rank * self._row_bytes,
+            strides=(self._row_bytes * self._num_workers, 1),
+        )
+        _check_zero_copy("numpy()", arr.ctypes.data, self._address + self._rank * self._row_bytes)
+        return arr
+
+    def torch(self) -> torch.Tensor:
+        """:meth:`numpy` as a CPU ``torch.uint8`` tensor over the same memory."""
+        import torch
+
+        tensor = torch.from_numpy(self.numpy())
+        _check_zero_copy("torch()", tensor.data_ptr(), self._address + self._rank * self._row_bytes)
+        return tensor
+
+    # -- CUDA -------------------------------------------------------------------
+
+    def register_cuda(self) -> bool:
+        """Pin the whole mapping for DMA with ``cudaHostRegister``; True on success.
+
+        Without CUDA this does nothing and returns False. A failed registration is
+        logged and not fatal: copies still work, from pageable memory, more slowly.
+        """
+        self._mapping()
+        if self._cuda_registered:
+            return True
+        cudart = _cudart()
+        if cudart is None:
+            return False
+        code = int(cudart.cudaHostRegister(self._address, self._size, 0))
+        if code != 0:
+            log.warning(
+                "cudaHostRegister failed; copies will use pageable memory",
+                path=str(self._path),
+                code=code,
+            )
+            return False
+        self._cuda_registered = True
+        return True
+
+    def _unregister_cuda(self) -> None:
+        if not self._cuda_registered:
+            return
+        self._cuda_registered = False
+        cudart = _cudart()
+        code = -1 if cudart is None else int(cudart.cudaHostUnregister(self._address))
+        if code != 0:
+            log.warning("cudaHostUnregister failed", path=str(self._path), code=code)
+
+    # -- life cycle -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unregister, unlink (if creator) and unmap. Idempotent.
+
+        Raises:
+            RegionInUseError: Views of the mapping are still alive. The region is
+                closed for new views and the file is already unlinked; drop the
+                views and call ``close()`` again to unmap.
+        """
+        mm = self._mm
+        if mm is None:
+            return
+        if not self._closed:
+            self._closed = True
+            self._unregister_cuda()
+            if self.is_creator:
+                self._unlink()
+        try:
+            mm.close()
+        except BufferError as exc:
+            raise RegionInUseError(
+                f"cannot unmap {self._path}: memoryviews, numpy arrays or tensors "
+                "obtained from this region (or slices of them) are still alive; "
+                "drop them and call close() again"
+            ) from exc
+        self._mm = None
+        log.debug("shared region closed", path=str(self._path))
+
+    def __enter__(self) -> SharedRegion:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"SharedRegion({self._instance_id!r}, num_slots={self._num_slots}, "
+            f"slot_bytes={self._slot_bytes}, worker={self._rank}/{self._num_workers}, "
+            f"creator={self._creator}, closed={self._closed})"
+        )
+
+    # -- internals --------------------------------------------------------------
+
+    def _mapping(self) -> mmap.mmap:
+        if self._closed or self._mm is None:
+            raise ValueError(f"region {self._path} is closed")
+        return self._mm
+
+    def _slot_offset(self, slot: int) -> int:
+        index = operator.index(slot)
+        if isinstance(slot, bool) or not 0 <= index < self._num_slots:
+            raise IndexError(f"slot {slot!r} out of range [0, {self._num_slots})")
+        return (index * self._num_workers + self._rank) * self._row_bytes
+
+    def _owner_path(self) -> Path:
+        return _owner_path(self._path)
+
+    def _init_as_creator(self, fd: int) -> None:
+        _check_free_space(self._path.parent, self._size)
+        record = OwnerRecord.for_current_process(
+            inode=self._inode,
+            num_slots=self._num_slots,
+            num_workers=self._num_workers,
+            row_bytes=self._row_bytes,
+        )
+        write_owner(self._owner_path(), record)  # before sizing: joiners see it
+        os.ftruncate(fd, self._size)
+
+    def _join(self, fd: int, deadline: float) -> None:
+        _wait_for_size(fd, self._path, self._size, deadline)
+        owner = read_owner(self._owner_path())
+        if owner is None or owner.inode != self._inode:
+            log.warning("shared region has no owner record", path=str(self._path))
+            return
+        if not is_alive(owner):
+            raise StaleRegionError(
+                f"{self._path} was created by process {owner.pid}, which is no longer "
+                "running; remove it with kvtier_async.memory.remove_stale_regions()"
+            )
+        theirs = (owner.num_slots, owner.num_workers, owner.row_bytes)
+        ours = (self._num_slots, self._num_workers, self._row_bytes)
+        if theirs != ours:
+            raise RegionLayoutError(
+                f"{self._path} has layout (num_slots, num_workers, row_bytes)={theirs}, "
+                f"this worker expects {ours}"
+            )
+
+    def _map(self, fd: int) -> mmap.mmap:
+        mm = mmap.mmap(fd, self._size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            _prefault(mm, *self._own_rows())
+        except BaseException:
+            mm.close()
+            raise
+        return mm
+
+    def _own_rows(self) -> tuple[int, int, int, int]:
+        """This worker's rows as (first offset, stride, count, length)."""
+        if self._num_workers == 1:
+            return 0, self._size, 1, self._size
+        stride = self._row_bytes * self._num_workers
+        return self._rank * self._row_bytes, stride, self._num_slots, self._row_bytes
+
+    def _unlink(self) -> None:
+        """Remove the owner record, then the file (so no new creator races us)."""
+        _unlink_region(self._path, self._inode)
+
+
+# -- stale regions -------------------------------------------------------------
+
+
+def find_stale_regions(
+    directory: str | os.PathLike[str] = "/dev/shm", *, missing_owner_grace_s: float = 60.0
+) -> list[Path]:
+    """Region files in ``directory`` whose creator process is no longer running.
+
+    A file without a (matching) owner record is reported once it is older than
+    ``missing_owner_grace_s``: its creator died between creating it and writing the
+    record, which takes microseconds. A region whose creator is alive is never
+    reported; neither is one whose creator is in another pid namespace.
+    """
+    now = time.time()
+    return [
+        path
+        for path in sorted(Path(directory).glob("kvtier_*.mmap"))
+        if _FILE_RE.fullmatch(path.name) and _stale_inode(path, now, missing_owner_grace_s)
+    ]
+
+
+def remove_stale_regions(
+    directory: str | os.PathLike[str] = "/dev/shm", *, missing_owner_grace_s: float = 60.0
+) -> list[Path]:
+    """Delete what :func:`find_stale_regions` reports (with owner records); return it.
+
+    Peers that still map a removed file keep their mapping. Each file is re-checked
+    just before removal, so a region re-created under the same name in between is
+    left alone.
+    """
+    removed: list[Path] = []
+    now = time.time()
+    for path in find_stale_regions(directory, missing_owner_grace_s=missing_owner_grace_s):
+        inode = _stale_inode(path, now, missing_owner_grace_s)
+        if inode is not None and _unlink_region(path, inode):
+            log.info("removed stale shared region", path=str(path))
+            removed.append(path)
+    return removed
+
+
+def _stale_inode(path: Path, now: float, grace_s: float) -> int | None:
+    """The inode of ``path`` if it is a stale region file, else None."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    owner = read_owner(_owner_path(path))
+    if owner is None or owner.inode != st.st_ino:
+        return st.st_ino if now - st.st_mtime >= grace_s else None
+    return None if is_alive(owner) else st.st_ino
+
+
+def _unlink_region(path: Path, inode: int) -> bool:
+    """Unlink ``path`` and its owner record if they still belong to ``inode``."""
+    owner_path = _owner_path(path)
+    owner = read_owner(owner_path)
+    if owner is None or owner.inode == inode:
+        with contextlib.suppress(FileNotFoundError):
+            owner_path.unlink()
+    try:
+        if path.lstat().st_ino != inode:
+            return False
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# -- helpers ------------------------------------------------------------------
+
+
+def _owner_path(path: Path) -> Path:
+    return path.with_name(path.name + _OWNER_SUFFIX)
+
+
+def _open_or_create(path: Path, deadline: float) -> tuple[int, bool]:
+    """Open ``path`` read-write; True if this call created it (won the race)."""
+    while True:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
+        except FileExistsError:
+            pass
+        try:
+            return os.open(path, os.O_RDWR), False
+        except FileNotFoundError:
+            # The creator gave up and unlinked it between our two opens: race again.
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"could not open or create {path}") from None
+
+
+def _wait_for_size(fd: int, path: Path, expected: int, deadline: float) -> None:
+    """Poll until the creator has sized the file to ``expected`` bytes."""
+    delay = 0.001
+    while True:
+        st = os.fstat(fd)
+        if st.st_nlink == 0:
+            raise RegionError(
+                f"{path} was removed before it was ready (its creator failed or closed)"
+            )
+        if st.st_size == expected:
+            return
+        if st.st_size != 0:
+            raise RegionLayoutError(
+                f"{path} is {st.st_size} bytes, this worker expects {expected} bytes "
+                "(num_slots * num_workers * row_bytes): another configuration created it"
+            )
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(
+                f"timed out waiting for the creator to size {path} to {expected} bytes "
+                f"(it is {st.st_size} bytes)"
+            )
+        _sleep(min(delay, remaining))
+        delay = min(delay * 2, _POLL_MAX_S)
+
+
+def _check_free_space(directory: Path, size: int) -> None:
+    vfs = os.statvfs(directory)
+    available = vfs.f_bavail * vfs.f_frsize
+    if size > available:
+        raise OSError(
+            errno.ENOSPC,
+            f"shared region needs {size} bytes but {directory} has {available} available",
+        )
+
+
+def _prefault(mm: mmap.mmap, first: int, stride: int, count: int, length: int) -> None:
+    """Fault in ``count`` ranges of ``length`` bytes, ``stride`` apart, for writing."""
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE, first, PAGE_SIZE)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise _prefault_error(exc) from exc
+        log.warning("MADV_POPULATE_WRITE unsupported; prefaulting page by page")
+        _touch_pages(mm, first, stride, count, length)
+        return
+    try:
+        for i in range(count):
+            mm.madvise(_MADV_POPULATE_WRITE, first + i * stride, length)
+    except OSError as exc:
+        raise _prefault_error(exc) from exc
+
+
+def _touch_pages(mm: mmap.mmap, first: int, stride: int, count: int, length: int) -> None:
+    """Read-modify-write one byte per page, keeping whatever is there."""
+    pages: npt.NDArray[np.uint8] = np.ndarray(
+        (count, length // PAGE_SIZE),
+        dtype=np.uint8,
+        buffer=mm,
+        offset=first,
+        strides=(stride, PAGE_SIZE),
+    )
+    try:
+        pages |= 0
+    finally:
+        del pages
+
+
+def _prefault_error(exc: OSError) -> RegionError:
+    return RegionError(f"could not prefault the shared region (is the filesystem full?): {exc}")
+
+
+def _buffer_address(mm: mmap.mmap) -> int:
+    """Address of the mapping; the temporary buffer export is released at once."""
+    anchor = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
+
+
+def _check_zero_copy(what: str, actual: int, expected: int) -> None:
+    if actual != expected:
+        raise RegionError(
+            f"{what} made a copy (data at {actual:#x}, mapping at {expected:#x}); "
+            "tiers require zero-copy access to the shared region"
+        )
+
+
+def _cudart() -> Any:
+    """torch's CUDA runtime module, or None without CUDA (torch absent or no device)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    except (AssertionError, RuntimeError) as exc:
+        log.warning("CUDA runtime unavailable; region stays pageable", error=str(exc))
+        return None
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _check_int(name: str, value: int, *, low: int, high: int | None = None) -> int:
+    bound = f">= {low}" if high is None else f"with {low} <= {name} < {high}"
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < low or (high is not None and number >= high):
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
+    return number
+
+
+def _check_instance_id(instance_id: str) -> str:
+    if not isinstance(instance_id, str) or not _ID_RE.fullmatch(instance_id):
+        raise ValueError(
+            f"instance_id must be 1-200 characters from [A-Za-z0-9_.-], got {instance_id!r}"
+        )
+    return instance_id
+
+
+def _check_directory(directory: str | os.PathLike[str]) -> Path:
+    try:
+        path = Path(directory)
+    except TypeError:
+        path = None
+    if path is None or not path.is_dir():
+        raise ValueError(f"directory must be an existing directory, got {directory!r}")
+    return path
+
+
+def _check_timeout(timeout_s: float) -> float:
+    number = timeout_s if isinstance(timeout_s, int | float) else math.nan
+    if isinstance(timeout_s, bool) or not math.isfinite(number) or number < 0:
+        raise ValueError(f"wait_timeout_s must be a finite number >= 0, got {timeout_s!r}")
+    return float(number)
