@@ -6,6 +6,7 @@ Everything here is synchronous and single-owner; see `primary` for the state mac
 from ._types import (
     CPUSpec,
     GPUSpec,
+    JobKind,
     LedgerError,
     LookupResult,
     Medium,
@@ -19,12 +20,14 @@ from ._types import (
 )
 from .policies import ARCPolicy, CachePolicy, LRUPolicy, SlotTable, make_policy
 from .primary import LedgerStatistics, PrimaryLedger
+from .tiering import StorePolicy, TierCounters, TieringLedger, TierTask
 
 __all__ = [
     "ARCPolicy",
     "CPUSpec",
     "CachePolicy",
     "GPUSpec",
+    "JobKind",
     "LRUPolicy",
     "LedgerError",
     "LedgerStatistics",
@@ -35,6 +38,10 @@ __all__ = [
     "PrepareStoreOutput",
     "PrimaryLedger",
     "SlotTable",
+    "StorePolicy",
+    "TierCounters",
+    "TierTask",
+    "TieringLedger",
     "TierSpec",
     "get_group_idx",
     "make_offload_key",

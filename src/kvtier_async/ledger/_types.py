@@ -18,6 +18,7 @@ import numpy.typing as npt
 __all__ = [
     "CPUSpec",
     "GPUSpec",
+    "JobKind",
     "LedgerError",
     "LookupResult",
     "Medium",
@@ -63,6 +64,21 @@ class LookupResult(enum.Enum):
     HIT = 1
     HIT_PENDING = 2
     RETRY = 3
+
+
+class JobKind(enum.Enum):
+    """What a job moves: every transfer, cascade, promotion and lookup is one of these."""
+
+    STORE = "store"  # device -> CPU slot
+    LOAD = "load"  # CPU slot -> device
+    CASCADE = "cascade"  # CPU slot -> secondary tier
+    PROMOTE = "promote"  # secondary tier -> CPU slot
+    LOOKUP = "lookup"  # batched existence check in a secondary tier
+
+    @property
+    def is_read(self) -> bool:
+        """Reads (loads, promotions, lookups) go before writes when both wait."""
+        return self in (JobKind.LOAD, JobKind.PROMOTE, JobKind.LOOKUP)
 
 
 class Medium(str, enum.Enum):

@@ -191,16 +191,17 @@ class PrimaryLedger:
     # --- stores ------------------------------------------------------------------------
 
     def prepare_store(
-        self, keys: Iterable[bytes], req: Hashable | None = None
+        self, keys: Iterable[bytes], req: Hashable | None = None, *, admit_all: bool = False
     ) -> PrepareStoreOutput | None:
         """Reserve slots (state: being written) for the keys not held yet.
 
         Evicts idle keys outside the batch if free slots are short. Returns None, with no
-        state changed, when not enough is evictable.
+        state changed, when not enough is evictable. ``admit_all`` skips the
+        ``store_threshold`` admission (promotions from a secondary tier).
         """
         batch = dict.fromkeys(keys)
         new = [key for key in batch if key not in self._slot_of]
-        admitted = self._admitted(new)
+        admitted = new if admit_all else self._admitted(new)
         victims: list[bytes] = []
         if admitted:
             deficit = len(admitted) - self.num_free
@@ -256,9 +257,10 @@ class PrimaryLedger:
         self._num_writing += len(keys)
         return slots
 
-    def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
+    def complete_store(self, keys: Iterable[bytes], success: bool = True) -> list[bytes]:
         """Finish writes: readable on success; on failure the slots still being written
-        are freed. Keys not being written (already readable, or gone) are left alone."""
+        are freed. Keys not being written (already readable, or gone) are left alone.
+        Returns the keys whose write this call finished."""
         slot_of, ref = self._slot_of, self._ref
         done: list[bytes] = []
         for key in dict.fromkeys(keys):
@@ -266,7 +268,7 @@ class PrimaryLedger:
             if slot is not None and ref[slot] == -1:
                 done.append(key)
         if not done:
-            return
+            return done
         self._num_writing -= len(done)
         if success:
             for key in done:
@@ -279,6 +281,7 @@ class PrimaryLedger:
                 self._free.append(slot)
                 self.policy.remove(key)
         self._events.append(OffloadingEvent(done, self.medium, removed=not success))
+        return done
 
     # --- events and reset --------------------------------------------------------------
 

@@ -1,0 +1,406 @@
+"""`TieredKVCache`: the single-process async API for async serving frameworks.
+
+    async with TieredKVCache({"block_bytes": 65536, "cpu_bytes_to_use": 1 << 30,
+                              "secondary_tiers": [{"type": "fs", "root_dir": "/data/kv"}]}) as cache:
+        n = await cache.lookup(keys)            # leading keys available (promotions awaited)
+        await cache.load(keys[:n], dst_blocks)  # CPU -> device
+        await cache.store(keys[n:], src_blocks) # device -> CPU, then cascaded to every tier
+
+The event loop's thread owns the ledger: job results are applied by their ``on_done``
+callbacks, which the engine runs in the loop. A block is any buffer of ``block_bytes`` bytes:
+a contiguous torch tensor (CPU here, or CUDA), a numpy array, a bytearray.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+
+from kvtier_async._log import get_logger
+from kvtier_async.config import ConfigError, Section
+from kvtier_async.engine import Engine, Job, JobError, JobResult, LaneStatistics
+from kvtier_async.ledger import (
+    JobKind,
+    LedgerStatistics,
+    LookupResult,
+    PrimaryLedger,
+    TierCounters,
+    TieringLedger,
+)
+from kvtier_async.ledger.tiering import StorePolicy, TierTask
+from kvtier_async.memory import SharedRegion
+from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics, make_tier
+
+__all__ = ["CacheConfig", "CacheStats", "StoreResult", "TieredKVCache"]
+
+log = get_logger(__name__)
+Bytes = npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Validated configuration of a `TieredKVCache` (see `from_dict` for the fields)."""
+
+    block_bytes: int
+    num_slots: int
+    eviction_policy: str = "lru"
+    store_threshold: int = 1
+    store_policy: StorePolicy = StorePolicy.BLOCK_LEVEL
+    secondary_tiers: tuple[Mapping[str, Any], ...] = ()
+    instance_id: str = field(default_factory=lambda: f"kvtier-{os.getpid()}-{secrets.token_hex(4)}")
+    region_dir: str = "/dev/shm"
+    queue_depth: int = 256
+    device_workers: int = 2
+    model: str = "kvtier-demo"
+
+    FIELDS = ("block_bytes", "num_slots", "cpu_bytes_to_use", "eviction_policy",
+              "store_threshold", "store_policy", "secondary_tiers", "instance_id", "region_dir",
+              "queue_depth", "device_workers", "model")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CacheConfig:
+        """Read ``block_bytes`` and one of ``num_slots`` / ``cpu_bytes_to_use`` (required),
+        ``eviction_policy`` (lru | arc | module:Class), ``store_threshold``, ``store_policy``
+        (block_level | request_level), ``secondary_tiers`` (list of tier configs),
+        ``instance_id``, ``region_dir``, ``queue_depth``, ``device_workers``, ``model``."""
+        s = Section(data, "")
+        s.allow_only(cls.FIELDS)
+        block_bytes = s.get_int("block_bytes", low=1)
+        kwargs: dict[str, Any] = {
+            "block_bytes": block_bytes,
+            "num_slots": _num_slots(s, block_bytes),
+            "eviction_policy": s.get_str("eviction_policy", "lru"),
+            "store_threshold": s.get_int("store_threshold", 1, low=1),
+            "store_policy": StorePolicy(s.get_str("store_policy", "block_level",
+                                                  choices=[p.value for p in StorePolicy])),
+            "secondary_tiers": tuple(s.get_list("secondary_tiers", [])),
+            "region_dir": s.get_str("region_dir", "/dev/shm"),
+            "queue_depth": s.get_int("queue_depth", 256, low=1, high=1 << 20),
+            "device_workers": s.get_int("device_workers", 2, low=1, high=64),
+            "model": s.get_str("model", "kvtier-demo"),
+        }
+        if "instance_id" in data:
+            kwargs["instance_id"] = s.get_str("instance_id")
+        return cls(**kwargs)
+
+
+def _num_slots(s: Section, block_bytes: int) -> int:
+    if ("num_slots" in s.data) == ("cpu_bytes_to_use" in s.data):
+        raise ConfigError("cpu_bytes_to_use", "give exactly one of cpu_bytes_to_use or num_slots")
+    if "num_slots" in s.data:
+        return int(s.get_int("num_slots", low=1))
+    cpu_bytes = s.get_int("cpu_bytes_to_use", low=block_bytes)
+    return int(cpu_bytes // block_bytes)
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    """What `TieredKVCache.store` did: keys now in the CPU tier (cascades follow in the
+    background), keys that were there already, and whether the CPU tier had no room."""
+
+    stored: list[bytes]
+    already_present: int
+    no_room: bool = False
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    ledger: LedgerStatistics
+    tiers: list[tuple[TierCounters, TierStatistics]]
+    lanes: list[LaneStatistics]
+    lookups: int
+    lookup_hits: int
+
+
+class TieredKVCache:
+    """GPU/CPU <-> CPU region <-> secondary tiers, as awaitable calls."""
+
+    def __init__(self, config: CacheConfig | Mapping[str, Any]) -> None:
+        self.config = config if isinstance(config, CacheConfig) else CacheConfig.from_dict(config)
+        self._region: SharedRegion | None = None
+        self._slots: Bytes | None = None
+        self._engine: Engine | None = None
+        self._ledger: TieringLedger | None = None
+        self._progress = anyio.Event()
+        self._lookups = self._lookup_hits = 0
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def __aenter__(self) -> TieredKVCache:
+        cfg = self.config
+        region = await anyio.to_thread.run_sync(functools.partial(
+            SharedRegion, cfg.instance_id, cfg.num_slots, cfg.block_bytes, directory=cfg.region_dir))
+        self._region, self._slots = region, region.numpy()
+        ctx = TierContext(block_bytes=region.row_bytes, model=cfg.model,
+                          instance_id=cfg.instance_id)
+        try:
+            tiers = [make_tier(t, ctx, f"secondary_tiers[{i}]")
+                     for i, t in enumerate(cfg.secondary_tiers)]
+            primary = PrimaryLedger(cfg.num_slots, policy=cfg.eviction_policy,
+                                    store_threshold=cfg.store_threshold)
+            self._ledger = TieringLedger(primary, [t.name for t in tiers],
+                                         store_policy=cfg.store_policy)
+            engine = Engine(tiers, self._block_view, device=self._copy,
+                            device_workers=cfg.device_workers, queue_depth=cfg.queue_depth)
+            await engine.__aenter__()
+        except BaseException:
+            await self._close_region()
+            raise
+        self._engine = engine
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        """Drain (cascades finish) on a clean exit; on an error, cancel what is in flight."""
+        engine = self._engine
+        try:
+            if engine is not None:
+                if exc_type is None:
+                    await self.drain()
+                await engine.__aexit__(exc_type, exc, tb)
+        finally:
+            self._engine = None
+            await self._close_region()
+
+    async def _close_region(self) -> None:
+        region, self._region, self._slots = self._region, None, None
+        if region is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(region.close)
+
+    def _block_view(self, slot: int) -> memoryview:
+        assert self._region is not None
+        return self._region.slot_view(slot, padded=True)
+
+    @property
+    def ledger(self) -> TieringLedger:
+        if self._ledger is None:
+            raise RuntimeError("the cache is not open: use `async with TieredKVCache(...)`")
+        return self._ledger
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("the cache is not open: use `async with TieredKVCache(...)`")
+        return self._engine
+
+    @property
+    def tiers(self) -> list[SecondaryTier]:
+        return self.engine.tiers
+
+    # --- lookup ------------------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[bytes], req: Hashable | None = None) -> int:
+        """How many leading keys are readable in the CPU tier, after promoting from the
+        secondary tiers what they have (awaited: no RETRY dance for the caller)."""
+        token = req if req is not None else object()
+        try:
+            while True:
+                progress = self._progress
+                hits, pending = self._walk(keys, token)
+                if not pending:
+                    self._lookups += len(keys)
+                    self._lookup_hits += hits
+                    return hits
+                await self.flush()
+                await progress.wait()
+        finally:
+            if req is None:
+                self.ledger.request_finished(token)
+
+    def _walk(self, keys: Sequence[bytes], token: Hashable) -> tuple[int, bool]:
+        """Leading HITs, and whether a key before the first MISS is still on its way."""
+        hits, pending, lookup = 0, False, self.ledger.lookup
+        for key in keys:
+            result = lookup(key, token)
+            if result is LookupResult.MISS:
+                break
+            if result is LookupResult.HIT:
+                hits += not pending
+            else:
+                pending = True
+        return hits, pending
+
+    async def flush(self) -> None:
+        """Submit the work the ledger decided (promotions, lookups, cascades)."""
+        tasks = self.ledger.take_tasks()
+        for index, task in enumerate(tasks):
+            try:
+                await self.engine.submit(self._job(task))
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    for undone in tasks[index:]:  # nothing queued: give back what they hold
+                        self._apply_task(undone, None)
+                raise
+
+    def _job(self, task: TierTask) -> Job:
+        return Job(task.kind, task.keys, task.slot_ids, tier=task.tier,
+                   on_done=functools.partial(self._apply_task, task))
+
+    def _apply_task(self, task: TierTask, result: JobResult | None) -> None:
+        """Apply a tier job's result; None: it never ran (every key failed)."""
+        ok = result.ok if result is not None else (False,) * len(task.keys)
+        self.ledger.apply(task.task_id, ok)
+        self._signal()
+
+    def _signal(self) -> None:
+        progress, self._progress = self._progress, anyio.Event()
+        progress.set()
+
+    # --- store and load ----------------------------------------------------------------
+
+    async def store(self, keys: Sequence[bytes], blocks: Sequence[Any],
+                    req: Hashable | None = None) -> StoreResult:
+        """Copy the blocks of keys not held yet into the CPU tier; the cascade to every
+        secondary tier runs in the background (`drain` waits for it)."""
+        views = self._views(keys, blocks, writable=False)
+        out = self.ledger.prepare_store(keys, req if req is not None else object())
+        if out is None:
+            return StoreResult([], 0, no_room=True)
+        stored = out.keys_to_store
+        if stored:
+            position = {key: i for i, key in enumerate(keys)}
+            payload = (out.store_spec.slot_ids, [views[position[key]] for key in stored])
+            result = await self._run(Job(JobKind.STORE, tuple(stored), payload,
+                                         on_done=self._stored), self._fail_store)
+            stored = result.succeeded
+        await self.flush()
+        return StoreResult(stored, len(set(keys)) - len(out.keys_to_store))
+
+    def _stored(self, result: JobResult) -> None:
+        self.ledger.complete_store(result.succeeded, True)
+        self.ledger.complete_store(result.failed, False)
+        self._signal()
+
+    def _fail_store(self, job: Job) -> None:
+        self.ledger.complete_store(job.keys, False)
+
+    async def load(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
+        """Copy readable keys (see `lookup`) from the CPU tier into ``blocks``; how many
+        arrived. Raises `LedgerError` if a key is not readable."""
+        views = self._views(keys, blocks, writable=True)
+        if not keys:
+            return 0
+        slots = self.ledger.prepare_load(keys)
+        job = Job(JobKind.LOAD, tuple(keys), (slots, views), on_done=self._loaded)
+        result = await self._run(job, self._fail_load)
+        self.ledger.touch(keys)
+        return sum(result.ok)
+
+    def _loaded(self, result: JobResult) -> None:
+        self.ledger.complete_load(result.keys)
+        self._signal()
+
+    def _fail_load(self, job: Job) -> None:
+        self.ledger.complete_load(job.keys)
+
+    async def _run(self, job: Job, give_back: Any) -> JobResult:
+        """Submit and await a device job; whatever happens, its ``on_done`` or
+        ``give_back`` releases what the ledger reserved for it."""
+        try:
+            handle = await self.engine.submit(job)
+        except BaseException:
+            give_back(job)
+            raise
+        try:
+            return await handle
+        except JobError as exc:
+            return exc.result
+        except BaseException:
+            handle.cancel()
+            raise
+
+    # --- device copies (the device lane's executor) ------------------------------------
+
+    def _views(self, keys: Sequence[bytes], blocks: Sequence[Any], *, writable: bool) -> list[Any]:
+        if len(keys) != len(blocks):
+            raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+        return [_as_bytes(block, self.config.block_bytes, i, writable)
+                for i, block in enumerate(blocks)]
+
+    async def _copy(self, job: Job) -> tuple[Sequence[bool], int]:
+        slot_ids, views = job.payload
+        to_cpu = job.kind is JobKind.STORE
+        await anyio.to_thread.run_sync(self._copy_blocks, slot_ids, views, to_cpu)
+        return (True,) * len(views), len(views) * self.config.block_bytes
+
+    def _copy_blocks(self, slot_ids: Sequence[int], views: list[Any], to_cpu: bool) -> None:
+        slots = self._slots
+        assert slots is not None
+        for slot, view in zip(slot_ids, views):
+            if isinstance(view, np.ndarray):
+                if to_cpu:
+                    slots[slot] = view
+                else:
+                    view[:] = slots[slot]
+            else:  # a device tensor
+                import torch
+
+                row = torch.from_numpy(slots[slot])
+                if to_cpu:
+                    row.copy_(view)
+                else:
+                    view.copy_(row)
+
+    # --- state -------------------------------------------------------------------------
+
+    async def drain(self) -> None:
+        """Wait until every job in flight (cascades included) ended."""
+        while True:
+            await self.flush()
+            await self.engine.drain()
+            if not self.ledger.has_pending_work():
+                return
+
+    async def reset(self) -> None:
+        """Drain, then clear the CPU tier; the secondary tiers keep their data."""
+        await self.drain()
+        self.ledger.reset()
+
+    def has_pending_work(self) -> bool:
+        return self.ledger.has_pending_work() or self.engine.has_pending_work()
+
+    def stats(self) -> CacheStats:
+        ledger = self.ledger
+        tiers = list(zip(ledger.counters, (t.statistics() for t in self.tiers)))
+        return CacheStats(ledger.primary.statistics(), tiers, self.engine.statistics(),
+                          self._lookups, self._lookup_hits)
+
+
+def _as_bytes(block: Any, block_bytes: int, index: int, writable: bool) -> Any:
+    """A zero-copy flat uint8 view of one block (numpy for host memory, torch for devices)."""
+    if hasattr(block, "data_ptr") and hasattr(block, "is_cuda"):
+        return _tensor_bytes(block, block_bytes, index)
+    try:
+        array = np.asarray(memoryview(block) if not isinstance(block, np.ndarray) else block)
+    except TypeError as exc:
+        raise TypeError(f"blocks[{index}]: a tensor, array or buffer is needed, got "
+                        f"{type(block).__name__}") from exc
+    if not array.flags.c_contiguous:
+        raise ValueError(f"blocks[{index}] must be contiguous")
+    flat = array.reshape(-1).view(np.uint8)
+    if flat.nbytes != block_bytes:
+        raise ValueError(f"blocks[{index}] has {flat.nbytes} bytes, block_bytes is {block_bytes}")
+    if writable and not flat.flags.writeable:
+        raise ValueError(f"blocks[{index}] is read-only")
+    return flat
+
+
+def _tensor_bytes(tensor: Any, block_bytes: int, index: int) -> Any:
+    import torch
+
+    if not tensor.is_contiguous():
+        raise ValueError(f"blocks[{index}] must be contiguous")
+    flat = tensor.reshape(-1).view(torch.uint8)
+    if flat.numel() != block_bytes:
+        raise ValueError(f"blocks[{index}] has {flat.numel()} bytes, block_bytes is {block_bytes}")
+    return flat.numpy() if flat.device.type == "cpu" else flat

@@ -1,0 +1,19 @@
+"""The async runtime: jobs with awaitable handles, bounded lanes, and the engine that owns them."""
+
+from .engine import Engine, EngineClosed
+from .jobs import CancelledJobError, Job, JobCancelled, JobError, JobHandle, JobResult
+from .lane import Executor, Lane, LaneStatistics
+
+__all__ = [
+    "CancelledJobError",
+    "Engine",
+    "EngineClosed",
+    "Executor",
+    "Job",
+    "JobCancelled",
+    "JobError",
+    "JobHandle",
+    "JobResult",
+    "Lane",
+    "LaneStatistics",
+]

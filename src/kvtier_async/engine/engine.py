@@ -1,0 +1,195 @@
+"""The engine: every tier's lanes inside one anyio task group.
+
+``async with Engine(...)`` opens the tiers, starts each lane's workers with
+``await tg.start(...)`` and, on exit, cancels the task group: a running job ends as a
+cancelled result at its next checkpoint (a thread call finishes first: anyio does not
+abandon threads), every queued job ends as cancelled, and each result's ``on_done`` runs, so
+the ledger's owner releases every pin and reservation. Call `drain` first for a graceful
+close that lets the work in flight finish.
+
+The engine never touches a ledger. It runs jobs and hands each `JobResult` to the job's
+``on_done`` callback, in the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+import anyio
+
+from kvtier_async._log import get_logger
+from kvtier_async.tiers.base import SecondaryTier
+
+from .jobs import Job, JobHandle, JobKind, JobResult
+from .lane import Executor, Lane, LaneStatistics
+
+__all__ = ["Engine", "EngineClosed"]
+
+log = get_logger(__name__)
+
+BlockView = Callable[[int], memoryview]
+"""Primary-tier memory of one slot (page-aligned), by slot id."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is not running (not entered yet, or closed)."""
+
+
+class Engine:
+    """Runs jobs on per-tier lanes (I/O and lookups) and a device lane (GPU<->CPU copies)."""
+
+    def __init__(
+        self,
+        tiers: Sequence[SecondaryTier],
+        block_view: BlockView,
+        *,
+        device: Executor | None = None,
+        device_workers: int = 2,
+        queue_depth: int = 256,
+    ) -> None:
+        self.tiers = list(tiers)
+        self._block_view = block_view
+        self._device = device
+        self._device_workers = device_workers
+        self._depth = queue_depth
+        self._lanes: dict[tuple[int, bool], Lane] = {}
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._closed = False
+        self._inflight = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(self._close_tiers)
+            for tier in self.tiers:
+                await tier.open()
+                log.info("tier opened", tier=tier.name, kind=tier.kind)
+            stack.callback(self._cancel_queued)  # runs after the task group ended
+            tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(tg.cancel_scope.cancel)
+            stack.callback(self._close_lanes)
+            await self._start_lanes(tg)
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.__aexit__(exc_type, exc, tb)
+        return None
+
+    async def _start_lanes(self, tg: anyio.abc.TaskGroup) -> None:
+        if self._device is not None:
+            self._lanes[(-1, False)] = Lane("device", self._device, workers=self._device_workers,
+                                            depth=self._depth)
+        for index, tier in enumerate(self.tiers):
+            io = Lane(tier.name, self._tier_io(tier), workers=tier.read_workers + tier.write_workers,
+                      depth=self._depth)
+            lookups = Lane(f"{tier.name}:lookup", self._tier_lookup(tier), workers=1,
+                           depth=self._depth)
+            self._lanes[(index, False)] = io
+            self._lanes[(index, True)] = lookups
+        for lane in self._lanes.values():
+            for _ in range(lane.workers):
+                await tg.start(lane.run_worker)
+
+    def _close_lanes(self) -> None:
+        self._closed = True
+        for lane in self._lanes.values():
+            lane.close()
+
+    def _cancel_queued(self) -> None:
+        cancelled = sum(lane.cancel_queued() for lane in self._lanes.values())
+        if cancelled:
+            log.info("engine closed with queued jobs cancelled", count=cancelled)
+
+    async def _close_tiers(self) -> None:
+        with anyio.CancelScope(shield=True):
+            for tier in self.tiers:
+                try:
+                    await tier.aclose()
+                except Exception as exc:
+                    log.warning("tier close failed", tier=tier.name, error=repr(exc))
+
+    # --- executors ---------------------------------------------------------------------
+
+    def _tier_io(self, tier: SecondaryTier) -> Executor:
+        async def run(job: Job) -> tuple[Sequence[bool], int]:
+            blocks = [self._block_view(int(slot)) for slot in job.payload]
+            if job.kind is JobKind.PROMOTE:
+                ok = await tier.load(job.keys, blocks)
+            else:
+                ok = await tier.store(job.keys, blocks)
+            return ok, sum(len(block) for block, good in zip(blocks, ok) if good)
+
+        return run
+
+    @staticmethod
+    def _tier_lookup(tier: SecondaryTier) -> Executor:
+        async def run(job: Job) -> tuple[Sequence[bool], int]:
+            return await tier.lookup(job.keys), 0
+
+        return run
+
+    # --- submission --------------------------------------------------------------------
+
+    def submit_nowait(self, job: Job) -> JobHandle:
+        """Queue a job now, or raise `anyio.WouldBlock` ("not now": its queue is full).
+        Raises `EngineClosed` when the engine is not running; nothing is queued then."""
+        lane, handle = self._lane(job), JobHandle(job, self._job_done)
+        try:
+            lane.submit_nowait(handle)
+        except anyio.ClosedResourceError:
+            raise EngineClosed("the engine is closed") from None
+        self._job_started()
+        return handle
+
+    async def submit(self, job: Job) -> JobHandle:
+        """Queue a job, waiting for room in its queue. Cancelled while waiting, or on
+        `EngineClosed`, nothing was queued."""
+        lane, handle = self._lane(job), JobHandle(job, self._job_done)
+        try:
+            await lane.submit(handle)
+        except anyio.ClosedResourceError:
+            raise EngineClosed("the engine is closed") from None
+        self._job_started()
+        return handle
+
+    def _lane(self, job: Job) -> Lane:
+        if self._stack is None or self._closed:
+            raise EngineClosed("the engine is not running")
+        lane = self._lanes.get((job.tier, job.kind is JobKind.LOOKUP))
+        if lane is None:
+            raise ValueError(f"no lane for a {job.kind.value} job on tier {job.tier}")
+        return lane
+
+    def _job_started(self) -> None:
+        if self._inflight == 0:
+            self._idle = anyio.Event()
+        self._inflight += 1
+
+    def _job_done(self, _result: JobResult) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+    # --- state -------------------------------------------------------------------------
+
+    def has_pending_work(self) -> bool:
+        return self._inflight > 0
+
+    async def drain(self) -> None:
+        """Wait until every job submitted so far (and any submitted meanwhile) ended."""
+        while self._inflight:
+            await self._idle.wait()
+
+    def statistics(self) -> list[LaneStatistics]:
+        return [lane.statistics() for lane in self._lanes.values()]

@@ -1,0 +1,189 @@
+"""A lane: one tier's (or the device's) bounded queues and the worker tasks that drain them.
+
+Reads (loads, promotions, lookups) and writes (stores, cascades) wait in two bounded memory
+object streams. Every queued job also drops one token into a doorbell stream, so a worker
+that takes a token always finds a job, and takes a read before any write: reads go first
+when both wait. Stores are best-effort and may wait; loads are what a request waits for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from kvtier_async._log import get_logger
+
+from .jobs import Job, JobHandle, JobResult
+
+__all__ = ["Executor", "Lane", "LaneStatistics"]
+
+log = get_logger(__name__)
+
+Executor = Callable[[Job], Awaitable[tuple[Sequence[bool], int]]]
+"""Runs a job; returns per-key success and the bytes moved. Raises if the job failed whole."""
+
+
+@dataclass(frozen=True)
+class LaneStatistics:
+    name: str
+    queued_reads: int
+    queued_writes: int
+    running: int
+    completed: int
+    failed: int
+    cancelled: int
+    keys_ok: int
+    keys_failed: int
+    bytes: int
+    busy_s: float
+
+    @property
+    def gbps(self) -> float:
+        """Bytes moved per second of job run time (summed over workers), in GB/s."""
+        return self.bytes / self.busy_s / 1e9 if self.busy_s else 0.0
+
+
+class Lane:
+    """Bounded queues plus ``workers`` tasks running ``execute``."""
+
+    def __init__(self, name: str, execute: Executor, *, workers: int, depth: int) -> None:
+        if workers < 1 or depth < 1:
+            raise ValueError(f"lane {name!r}: workers and depth must be >= 1")
+        self.name = name
+        self.workers = workers
+        self._execute = execute
+        self._reads = anyio.create_memory_object_stream[JobHandle](depth)
+        self._writes = anyio.create_memory_object_stream[JobHandle](depth)
+        self._bell = anyio.create_memory_object_stream[None](2 * depth)
+        self._room = anyio.Event()  # set (and replaced) whenever a worker takes a job
+        self.closed = False
+        self._running = self._completed = self._failed = self._cancelled = 0
+        self._keys_ok = self._keys_failed = self._bytes = 0
+        self._busy_s = 0.0
+
+    # --- submission --------------------------------------------------------------------
+
+    def submit_nowait(self, handle: JobHandle) -> None:
+        """Queue a job or raise `anyio.WouldBlock` when its queue is full
+        (`anyio.ClosedResourceError` once the lane is closed)."""
+        if self.closed:
+            raise anyio.ClosedResourceError
+        self._queue(handle).send_nowait(handle)
+        self._bell[0].send_nowait(None)
+
+    async def submit(self, handle: JobHandle) -> None:
+        """Queue a job, waiting for room. If cancelled while waiting, nothing was queued."""
+        while True:
+            try:
+                self.submit_nowait(handle)
+                return
+            except anyio.WouldBlock:
+                await self._room.wait()
+
+    def _queue(self, handle: JobHandle) -> MemoryObjectSendStream[JobHandle]:
+        return self._reads[0] if handle.job.kind.is_read else self._writes[0]
+
+    # --- workers -----------------------------------------------------------------------
+
+    async def run_worker(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        task_status.started()
+        async for _ in self._bell[1]:
+            handle = self._take()
+            if not handle.done():  # a queued job cancelled by its handle is skipped
+                await self._run(handle)
+
+    def _take(self) -> JobHandle:
+        room, self._room = self._room, anyio.Event()
+        room.set()
+        try:
+            return self._reads[1].receive_nowait()
+        except anyio.WouldBlock:
+            return self._writes[1].receive_nowait()
+
+    async def _run(self, handle: JobHandle) -> None:
+        job, start = handle.job, time.perf_counter()
+        self._running += 1
+        try:
+            with anyio.CancelScope() as scope:
+                handle._scope = scope
+                ok, nbytes = await self._execute(job)
+        except anyio.get_cancelled_exc_class():
+            self._finish(handle, JobResult.cancelled_result(job), start)
+            raise
+        except Exception as exc:
+            log.warning("job failed", lane=self.name, job_id=job.job_id, kind=job.kind.value,
+                        error=repr(exc))
+            self._finish(handle, JobResult.failure(job, exc), start)
+            return
+        if scope.cancelled_caught:
+            self._finish(handle, JobResult.cancelled_result(job), start)
+        else:
+            self._finish(handle, self._success(job, ok, nbytes, start), start)
+
+    @staticmethod
+    def _success(job: Job, ok: Sequence[bool], nbytes: int, start: float) -> JobResult:
+        if len(ok) != len(job.keys):
+            raise RuntimeError(f"{job.kind.value} job {job.job_id}: {len(ok)} outcomes for "
+                               f"{len(job.keys)} keys")
+        now = time.perf_counter()
+        return JobResult(job.job_id, job.kind, job.keys, tuple(map(bool, ok)), nbytes,
+                         queued_s=start - job.submitted_at, run_s=now - start)
+
+    def _finish(self, handle: JobHandle, result: JobResult, start: float) -> None:
+        handle._scope = None
+        self._running -= 1
+        self._busy_s += time.perf_counter() - start
+        self._count(result)
+        handle._resolve(result)
+
+    def _count(self, result: JobResult) -> None:
+        if result.cancelled:
+            self._cancelled += 1
+        elif result.error is not None:
+            self._failed += 1
+        else:
+            self._completed += 1
+            self._bytes += result.nbytes
+        n_ok = sum(result.ok)
+        self._keys_ok += n_ok
+        self._keys_failed += len(result.ok) - n_ok
+
+    # --- shutdown and statistics -------------------------------------------------------
+
+    def close(self) -> None:
+        """Refuse new jobs; wake submitters waiting for room (they get ClosedResourceError)."""
+        self.closed = True
+        self._room.set()
+
+    def cancel_queued(self) -> int:
+        """End every queued job as cancelled (after the workers stopped); how many."""
+        count = 0
+        for _, receive in (self._reads, self._writes):
+            while True:
+                try:
+                    handle = receive.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+                if handle._resolve(JobResult.cancelled_result(handle.job)):
+                    self._cancelled += 1
+                    count += 1
+        return count
+
+    def statistics(self) -> LaneStatistics:
+        return LaneStatistics(
+            self.name,
+            self._reads[0].statistics().current_buffer_used,
+            self._writes[0].statistics().current_buffer_used,
+            self._running,
+            self._completed,
+            self._failed,
+            self._cancelled,
+            self._keys_ok,
+            self._keys_failed,
+            self._bytes,
+            self._busy_s,
+        )

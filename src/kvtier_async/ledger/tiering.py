@@ -1,0 +1,318 @@
+"""The tiering state machine: the primary ledger plus what the secondary tiers hold.
+
+Theory of operation
+-------------------
+Sans-I/O like the primary ledger. It decides and describes work as `TierTask`s; the owner
+runs them (on the engine) and applies each outcome with `apply`. Nothing here waits.
+
+Store = cascade, fan-out: ``complete_store`` makes GPU->CPU blocks readable, then pins each
+one once per secondary tier and queues a CASCADE task per tier (a copy to every tier, not an
+overflow). The pin is released when that task is applied.
+
+Load = promotion: ``lookup`` on a primary miss asks the tiers in order. A tier's first
+answer about a key is RETRY: the key joins that tier's next batched LOOKUP task. A tier that
+has the key gets a primary slot reserved for it (being written, so a repeated lookup answers
+HIT_PENDING and the key is promoted once) and a PROMOTE task, batched per (tier, request)
+and handed out by `take_tasks` at the end of the step. Applied, the keys that arrived become
+readable; the others are freed and their cached answer turns into a miss.
+
+Lookup answers are kept while a request that asked is alive (`request_finished` releases
+them), so one request sees one consistent answer per key; cascades and failed promotions
+update them.
+
+`reset` clears the primary and drops queued work; tasks already handed out must be applied
+first (the owner drains the engine), since their memory is about to be reused.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._types import (
+    IntArray,
+    JobKind,
+    LedgerError,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    PrepareStoreOutput,
+)
+from .primary import PrimaryLedger
+
+__all__ = ["StorePolicy", "TierCounters", "TierTask", "TieringLedger"]
+
+_NO_SLOTS: IntArray = np.zeros(0, dtype=np.int64)
+
+
+class StorePolicy(enum.Enum):
+    BLOCK_LEVEL = "block_level"  # cascade only blocks this request stored
+    REQUEST_LEVEL = "request_level"  # cascade the request's hit blocks too
+
+
+@dataclass(frozen=True, slots=True)
+class TierTask:
+    """One job for a secondary tier: ``keys[i]`` moves from/to primary ``slot_ids[i]``."""
+
+    task_id: int
+    kind: JobKind
+    tier: int
+    keys: tuple[bytes, ...]
+    slot_ids: IntArray
+    generation: int
+
+
+@dataclass(slots=True)
+class TierCounters:
+    lookups: int = 0
+    lookup_hits: int = 0
+    promoted: int = 0
+    promote_failed: int = 0
+    cascaded: int = 0
+    cascade_failed: int = 0
+
+
+@dataclass(slots=True)
+class _Probe:
+    answer: bool | None = None
+    in_flight: bool = False
+    reqs: set[Hashable] = field(default_factory=set)
+
+
+class _TierLookups:
+    """One tier's lookup answers, the batch waiting to be asked, and who holds them."""
+
+    __slots__ = ("batch", "by_req", "probes")
+
+    def __init__(self) -> None:
+        self.probes: dict[bytes, _Probe] = {}
+        self.batch: list[bytes] = []
+        self.by_req: dict[Hashable, set[bytes]] = {}
+
+    def ask(self, key: bytes, req: Hashable) -> bool | None:
+        probe = self.probes.get(key)
+        if probe is None:
+            probe = self.probes[key] = _Probe()
+            self.batch.append(key)
+        if req not in probe.reqs:
+            probe.reqs.add(req)
+            self.by_req.setdefault(req, set()).add(key)
+        return probe.answer
+
+    def known_present(self, key: bytes) -> bool:
+        probe = self.probes.get(key)
+        return probe is not None and probe.answer is True
+
+    def take_batch(self) -> list[bytes]:
+        batch, self.batch = self.batch, []
+        asked = []
+        for key in batch:
+            probe = self.probes.get(key)
+            if probe is not None and probe.answer is None and not probe.in_flight:
+                probe.in_flight = True
+                asked.append(key)
+        return asked
+
+    def answer(self, keys: Iterable[bytes], present: Iterable[bool]) -> None:
+        for key, value in zip(keys, present):
+            probe = self.probes.get(key)
+            if probe is None:
+                continue
+            probe.in_flight = False
+            if probe.reqs:
+                probe.answer = value
+            else:
+                del self.probes[key]
+
+    def set_known(self, keys: Iterable[bytes], value: bool) -> None:
+        for key in keys:
+            probe = self.probes.get(key)
+            if probe is not None and not probe.in_flight:
+                probe.answer = value
+
+    def release(self, req: Hashable) -> None:
+        for key in self.by_req.pop(req, ()):
+            probe = self.probes.get(key)
+            if probe is None:
+                continue
+            probe.reqs.discard(req)
+            if not probe.reqs and not probe.in_flight:
+                del self.probes[key]
+
+    def clear(self) -> None:
+        self.probes.clear()
+        self.batch.clear()
+        self.by_req.clear()
+
+
+class TieringLedger:
+    """Primary ledger + secondary tiers' answers + the work between them."""
+
+    def __init__(
+        self,
+        primary: PrimaryLedger,
+        tier_names: Sequence[str],
+        *,
+        store_policy: StorePolicy = StorePolicy.BLOCK_LEVEL,
+    ) -> None:
+        self.primary = primary
+        self.tier_names = list(tier_names)
+        self.store_policy = store_policy
+        self.counters = [TierCounters() for _ in self.tier_names]
+        self._lookups = [_TierLookups() for _ in self.tier_names]
+        self._promotions: dict[tuple[int, Hashable], tuple[list[bytes], list[int]]] = {}
+        self._queued: list[TierTask] = []  # cascades, pinned, not handed out yet
+        self._out: dict[int, TierTask] = {}  # handed out by take_tasks, not applied yet
+        self._ids = itertools.count(1)
+        self._events: list[OffloadingEvent] = []
+        self.generation = 0
+
+    # --- lookups -----------------------------------------------------------------------
+
+    def lookup(self, key: bytes, req: Hashable) -> LookupResult:
+        """HIT / HIT_PENDING from the primary; else ask the tiers in order: a tier that has
+        the key starts its promotion (HIT_PENDING, or MISS when the primary has no room); a
+        tier that has not answered yet makes it RETRY."""
+        result = self.primary.lookup(key)
+        if result is not LookupResult.MISS:
+            return result
+        retry = False
+        for index, tier in enumerate(self._lookups):
+            answer = tier.ask(key, req)
+            if answer is None:
+                retry = True
+            elif answer:
+                return self._promote(index, key, req)
+        return LookupResult.RETRY if retry else LookupResult.MISS
+
+    def _promote(self, tier: int, key: bytes, req: Hashable) -> LookupResult:
+        out = self.primary.prepare_store((key,), req, admit_all=True)
+        if out is None or not out.keys_to_store:
+            return LookupResult.MISS
+        keys, slots = self._promotions.setdefault((tier, req), ([], []))
+        keys.append(key)
+        slots.append(int(out.store_spec.slot_ids[0]))
+        return LookupResult.HIT_PENDING
+
+    def request_finished(self, req: Hashable) -> None:
+        """Release the request's lookup answers and recency group."""
+        for tier in self._lookups:
+            tier.release(req)
+        self.primary.request_finished(req)
+
+    # --- the primary's calls -----------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[bytes], req: Hashable) -> PrepareStoreOutput | None:
+        out = self.primary.prepare_store(keys, req)
+        if out is not None and self.store_policy is StorePolicy.REQUEST_LEVEL:
+            new = set(out.keys_to_store)
+            present = self.primary.lookup
+            self._queue_cascades(
+                [k for k in keys if k not in new and present(k) is LookupResult.HIT]
+            )
+        return out
+
+    def complete_store(self, keys: Iterable[bytes], success: bool = True) -> list[bytes]:
+        """Finish GPU->CPU writes; cascade the blocks that became readable to every tier."""
+        done = self.primary.complete_store(keys, success)
+        if success and done:
+            self._queue_cascades(done)
+        return done
+
+    def _queue_cascades(self, keys: list[bytes]) -> None:
+        for index, tier in enumerate(self._lookups):
+            todo = [key for key in keys if not tier.known_present(key)]
+            if todo:
+                spec = self.primary.prepare_load(todo)
+                self._queued.append(self._task(JobKind.CASCADE, index, todo, spec.slot_ids))
+
+    def prepare_load(self, keys: Sequence[bytes]) -> IntArray:
+        return self.primary.prepare_load(keys).slot_ids
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        self.primary.complete_load(keys)
+
+    def touch(self, keys: Sequence[bytes], req: Hashable | None = None) -> None:
+        self.primary.touch(keys, req)
+
+    # --- work out, results in ----------------------------------------------------------
+
+    def _task(self, kind: JobKind, tier: int, keys: Sequence[bytes], slots: object) -> TierTask:
+        ids = np.asarray(slots, dtype=np.int64)
+        return TierTask(next(self._ids), kind, tier, tuple(keys), ids, self.generation)
+
+    def take_tasks(self) -> list[TierTask]:
+        """Everything decided since the last call: promotions batched per (tier, request),
+        one lookup batch per tier, and the cascades. The owner must `apply` each."""
+        tasks = [self._task(JobKind.PROMOTE, tier, keys, slots)
+                 for (tier, _req), (keys, slots) in self._promotions.items()]
+        self._promotions.clear()
+        for index, tier in enumerate(self._lookups):
+            batch = tier.take_batch()
+            if batch:
+                tasks.append(self._task(JobKind.LOOKUP, index, batch, _NO_SLOTS))
+        tasks += self._queued
+        self._queued = []
+        for task in tasks:
+            self._out[task.task_id] = task
+        return tasks
+
+    def apply(self, task_id: int, ok: Sequence[bool]) -> None:
+        """Apply a task's outcome (``ok[i]`` for ``keys[i]``; for a lookup: present)."""
+        task = self._out.pop(task_id, None)
+        if task is None:
+            raise LedgerError(f"task {task_id} is not outstanding")
+        counters, lookups = self.counters[task.tier], self._lookups[task.tier]
+        good = [key for key, flag in zip(task.keys, ok) if flag]
+        bad = [key for key, flag in zip(task.keys, ok) if not flag]
+        if task.kind is JobKind.LOOKUP:
+            lookups.answer(task.keys, ok)
+            counters.lookups += len(task.keys)
+            counters.lookup_hits += len(good)
+        elif task.kind is JobKind.PROMOTE:
+            self.primary.complete_store(good, True)
+            self.primary.complete_store(bad, False)
+            lookups.set_known(bad, False)
+            counters.promoted += len(good)
+            counters.promote_failed += len(bad)
+        else:
+            self.primary.complete_load(task.keys)
+            lookups.set_known(good, True)
+            counters.cascaded += len(good)
+            counters.cascade_failed += len(bad)
+            if good:
+                self._events.append(OffloadingEvent(good, Medium.STORAGE, removed=False,
+                                                    tier=self.tier_names[task.tier]))
+
+    # --- state -------------------------------------------------------------------------
+
+    def has_pending_work(self) -> bool:
+        return bool(self._out or self._queued or self._promotions
+                    or any(tier.batch for tier in self._lookups))
+
+    def outstanding(self) -> list[TierTask]:
+        return list(self._out.values())
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events = self.primary.take_events()
+        events += self._events
+        self._events = []
+        return events
+
+    def reset(self) -> None:
+        """Clear the primary and drop queued work; secondary tiers keep their data.
+
+        Raises `LedgerError` (changing nothing) while tasks handed out are not applied.
+        """
+        if self._out:
+            raise LedgerError(f"{len(self._out)} tier tasks are outstanding: drain them first")
+        self._promotions.clear()
+        self._queued.clear()
+        for tier in self._lookups:
+            tier.clear()
+        self.primary.reset()
+        self.generation += 1

@@ -1,0 +1,1 @@
+"""Secondary tiers: the contract (`base`) and its backends: memory, fs, obj (S3)."""

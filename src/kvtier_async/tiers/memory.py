@@ -1,0 +1,143 @@
+"""A memory secondary tier: a dict of bytes with configurable latency and failure injection.
+
+It implements the same contract as the fs and S3 tiers and serves as the example tier, the
+demo's second level and the engine tests' controllable tier. Its hooks for tests:
+
+- ``gate``: when set to an unset `anyio.Event`, every store/load/lookup waits for it after
+  announcing itself on ``entered`` (an `anyio.Event` set when a call starts waiting), so a
+  test can cancel at that await point without sleeping;
+- ``fail_keys``: keys whose store and load fail.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import anyio
+
+from kvtier_async.config import Section
+
+from .base import SecondaryTier, TierContext, TierStatistics
+
+__all__ = ["MemoryTier", "from_config"]
+
+
+class MemoryTier(SecondaryTier):
+    kind = "memory"
+
+    def __init__(
+        self,
+        name: str,
+        ctx: TierContext,
+        *,
+        read_workers: int = 2,
+        write_workers: int = 2,
+        latency_s: float = 0.0,
+        lookup_latency_s: float = 0.0,
+        fail_rate: float = 0.0,
+        capacity_bytes: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(name, ctx, read_workers, write_workers)
+        self.latency_s = latency_s
+        self.lookup_latency_s = lookup_latency_s
+        self.fail_rate = fail_rate
+        self.capacity_bytes = capacity_bytes
+        self.fail_keys: set[bytes] = set()
+        self.gate: anyio.Event | None = None
+        self.entered = anyio.Event()
+        self._data: OrderedDict[bytes, bytes] = OrderedDict()
+        self._size = 0
+        self._random = random.Random(seed)
+        self._stats = {"stored": 0, "loaded": 0, "written": 0, "read": 0, "store_fail": 0,
+                       "load_fail": 0, "lookups": 0, "hits": 0}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    async def _wait(self, delay: float) -> None:
+        if self.gate is not None:
+            self.entered.set()
+            await self.gate.wait()
+        if delay:
+            await anyio.sleep(delay)
+
+    def _fails(self, key: bytes) -> bool:
+        return key in self.fail_keys or (self.fail_rate > 0 and self._random.random() < self.fail_rate)
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        await self._wait(self.lookup_latency_s)
+        found = [key in self._data for key in keys]
+        self._stats["lookups"] += len(keys)
+        self._stats["hits"] += sum(found)
+        return found
+
+    async def store(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        await self._wait(self.latency_s)
+        return [self._store_one(key, block) for key, block in zip(keys, blocks)]
+
+    def _store_one(self, key: bytes, block: memoryview) -> bool:
+        if self._fails(key):
+            self._stats["store_fail"] += 1
+            return False
+        if key in self._data:
+            self._data.move_to_end(key)
+            return True
+        self._data[key] = bytes(block)
+        self._size += len(block)
+        self._stats["stored"] += 1
+        self._stats["written"] += len(block)
+        self._evict()
+        return True
+
+    def _evict(self) -> None:
+        while self.capacity_bytes is not None and self._size > self.capacity_bytes and self._data:
+            _, value = self._data.popitem(last=False)
+            self._size -= len(value)
+
+    async def load(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        await self._wait(self.latency_s)
+        return [self._load_one(key, block) for key, block in zip(keys, blocks)]
+
+    def _load_one(self, key: bytes, block: memoryview) -> bool:
+        value = self._data.get(key)
+        if value is None or len(value) != len(block) or self._fails(key):
+            self._stats["load_fail"] += 1
+            self._data.pop(key, None)
+            return False
+        block[:] = value
+        self._data.move_to_end(key)
+        self._stats["loaded"] += 1
+        self._stats["read"] += len(value)
+        return True
+
+    def statistics(self) -> TierStatistics:
+        s = self._stats
+        return TierStatistics(
+            self.name, self.kind, s["stored"], s["loaded"], s["written"], s["read"],
+            s["store_fail"], s["load_fail"], s["lookups"], s["hits"],
+            detail=f"{len(self._data)} blocks in memory",
+        )
+
+
+def from_config(section: Section, name: str, ctx: TierContext) -> MemoryTier:
+    """``{"type": "memory", "latency_s", "lookup_latency_s", "fail_rate", "capacity_bytes",
+    "n_read_workers", "n_write_workers", "seed"}``."""
+    section.allow_only(["type", "name", "latency_s", "lookup_latency_s", "fail_rate",
+                        "capacity_bytes", "n_read_workers", "n_write_workers", "seed"])
+    return MemoryTier(
+        name,
+        ctx,
+        read_workers=section.get_int("n_read_workers", 2, low=1, high=256),
+        write_workers=section.get_int("n_write_workers", 2, low=1, high=256),
+        latency_s=section.get_float("latency_s", 0.0, high=60.0),
+        lookup_latency_s=section.get_float("lookup_latency_s", 0.0, high=60.0),
+        fail_rate=section.get_float("fail_rate", 0.0, high=1.0),
+        capacity_bytes=section.get_int("capacity_bytes", None, low=1),
+        seed=section.get_int("seed", 0),
+    )
