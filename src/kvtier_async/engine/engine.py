@@ -14,6 +14,7 @@ The engine never touches a ledger. It runs jobs and hands each `JobResult` to th
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
@@ -24,6 +25,9 @@ from kvtier_async.tiers.base import SecondaryTier
 
 from .jobs import Job, JobHandle, JobKind, JobResult
 from .lane import Executor, Lane, LaneStatistics
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["Engine", "EngineClosed"]
 
@@ -82,8 +86,15 @@ class Engine:
         tb: TracebackType | None,
     ) -> bool | None:
         stack, self._stack = self._stack, None
-        if stack is not None:
+        if stack is None:
+            return None
+        try:
             await stack.__aexit__(exc_type, exc, tb)
+        except BaseExceptionGroup as group:
+            # The body ran inside the task group, which wrapped the body's own exception:
+            # let it propagate as it was raised.
+            if exc is None or group.split(lambda e: e is exc)[1] is not None:
+                raise
         return None
 
     async def _start_lanes(self, tg: anyio.abc.TaskGroup) -> None:

@@ -119,7 +119,7 @@ class Lane:
                         error=repr(exc))
             self._finish(handle, JobResult.failure(job, exc), start)
             return
-        if scope.cancelled_caught:
+        if scope.cancel_called:  # cancelled, even if the work ended before a checkpoint
             self._finish(handle, JobResult.cancelled_result(job), start)
         else:
             self._finish(handle, self._success(job, ok, nbytes, start), start)
@@ -160,7 +160,8 @@ class Lane:
         self._room.set()
 
     def cancel_queued(self) -> int:
-        """End every queued job as cancelled (after the workers stopped); how many."""
+        """End every queued job as cancelled and close the streams (after the workers
+        stopped); how many jobs were cancelled."""
         count = 0
         for _, receive in (self._reads, self._writes):
             while True:
@@ -171,6 +172,8 @@ class Lane:
                 if handle._resolve(JobResult.cancelled_result(handle.job)):
                     self._cancelled += 1
                     count += 1
+        for stream in (*self._reads, *self._writes, *self._bell):
+            stream.close()
         return count
 
     def statistics(self) -> LaneStatistics:

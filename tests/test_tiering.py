@@ -1,0 +1,217 @@
+"""Scenario tests of the tiering state machine (sans-I/O): cascades, promotions, lookups."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier_async.ledger import (
+    JobKind,
+    LedgerError,
+    LookupResult,
+    Medium,
+    PrimaryLedger,
+    StorePolicy,
+    TieringLedger,
+    TierTask,
+    make_offload_key,
+)
+
+HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
+                             LookupResult.RETRY)
+
+
+def k(i: int) -> bytes:
+    return make_offload_key(i.to_bytes(8, "big"), 0)
+
+
+def ks(*ids: int) -> list[bytes]:
+    return [k(i) for i in ids]
+
+
+def tiering(capacity: int = 8, tiers: int = 1, **kwargs: object) -> TieringLedger:
+    names = [f"t{i}" for i in range(tiers)]
+    return TieringLedger(PrimaryLedger(capacity), names, **kwargs)  # type: ignore[arg-type]
+
+
+def store(led: TieringLedger, ids: list[int], req: str = "w") -> None:
+    out = led.prepare_store(ks(*ids), req)
+    assert out is not None
+    led.complete_store(out.keys_to_store)
+
+
+def of_kind(tasks: list[TierTask], kind: JobKind) -> list[TierTask]:
+    return [t for t in tasks if t.kind is kind]
+
+
+def apply_all(led: TieringLedger, tasks: list[TierTask], ok: bool = True) -> None:
+    for task in tasks:
+        led.apply(task.task_id, [ok] * len(task.keys))
+
+
+def answer_lookups(led: TieringLedger, present: set[bytes]) -> None:
+    for task in of_kind(led.take_tasks(), JobKind.LOOKUP):
+        led.apply(task.task_id, [key in present for key in task.keys])
+
+
+def test_store_cascades_to_every_tier_with_pins() -> None:
+    led = tiering(tiers=2)
+    # store [1, 2]: after the GPU->CPU copy, one cascade per tier, each pinning both slots
+    store(led, [1, 2])
+    tasks = led.take_tasks()
+    assert [(t.kind, t.tier, t.keys) for t in tasks] == [
+        (JobKind.CASCADE, 0, tuple(ks(1, 2))),
+        (JobKind.CASCADE, 1, tuple(ks(1, 2))),
+    ]
+    assert led.primary.ref_count(k(1)) == 2
+    assert led.has_pending_work()
+    # the cascades finish: pins released, the tiers announce the blocks
+    apply_all(led, tasks)
+    assert led.primary.ref_count(k(1)) == 0
+    assert not led.has_pending_work()
+    storage = [e for e in led.take_events() if e.medium is Medium.STORAGE]
+    assert [(e.tier, e.keys) for e in storage] == [("t0", ks(1, 2)), ("t1", ks(1, 2))]
+
+
+def test_cascade_waits_for_the_gpu_to_cpu_copy() -> None:
+    led = tiering()
+    out = led.prepare_store(ks(1), "r")
+    assert out is not None
+    # nothing cascades before the copy into the CPU tier is confirmed
+    assert led.take_tasks() == []
+    led.complete_store(ks(1), success=False)
+    assert led.take_tasks() == []
+
+
+def test_lookup_retry_then_promotion_then_hit() -> None:
+    led = tiering()
+    # first lookup of a primary miss: the tier has not answered: RETRY
+    assert led.lookup(k(1), "r") is RETRY
+    # the batched lookup finds it: the next lookup reserves a slot and promotes
+    answer_lookups(led, {k(1)})
+    assert led.lookup(k(1), "r") is PENDING
+    assert led.primary.ref_count(k(1)) == -1
+    assert led.lookup(k(1), "r") is PENDING  # not promoted twice
+    [task] = led.take_tasks()
+    assert task.kind is JobKind.PROMOTE and task.keys == (k(1),)
+    # the promotion lands: readable
+    apply_all(led, [task])
+    assert led.lookup(k(1), "r") is HIT
+
+
+def test_absent_everywhere_is_a_miss() -> None:
+    led = tiering(tiers=2)
+    assert led.lookup(k(1), "r") is RETRY
+    answer_lookups(led, set())
+    assert led.lookup(k(1), "r") is MISS
+
+
+def test_tiers_are_asked_in_order() -> None:
+    led = tiering(tiers=2)
+    led.lookup(k(1), "r")
+    tasks = led.take_tasks()
+    assert sorted(t.tier for t in tasks) == [0, 1]
+    led.apply(tasks[0].task_id, [tasks[0].tier == 1])
+    led.apply(tasks[1].task_id, [tasks[1].tier == 1])
+    assert led.lookup(k(1), "r") is PENDING
+    [promote] = led.take_tasks()
+    assert promote.tier == 1
+
+
+def test_promotions_batch_per_tier_and_request_and_share_keys() -> None:
+    led = tiering()
+    for key in ks(1, 2, 3):
+        led.lookup(key, "a")
+    led.lookup(k(3), "b")
+    answer_lookups(led, set(ks(1, 2, 3)))
+    # a promotes 1, 2, 3; b's lookup of 3 sees a's promotion in flight
+    assert [led.lookup(key, "a") for key in ks(1, 2, 3)] == [PENDING] * 3
+    assert led.lookup(k(3), "b") is PENDING
+    [task] = led.take_tasks()
+    assert task.keys == tuple(ks(1, 2, 3))
+
+
+def test_partial_promotion_failure_keeps_what_arrived() -> None:
+    led = tiering()
+    for key in ks(1, 2):
+        led.lookup(key, "r")
+    answer_lookups(led, set(ks(1, 2)))
+    for key in ks(1, 2):
+        led.lookup(key, "r")
+    [task] = led.take_tasks()
+    led.apply(task.task_id, [True, False])
+    assert led.lookup(k(1), "r") is HIT
+    # the failed load turned the cached hit into a miss: no second promotion
+    assert led.lookup(k(2), "r") is MISS
+    assert led.primary.statistics().writing == 0
+    assert led.counters[0].promoted == 1 and led.counters[0].promote_failed == 1
+
+
+def test_promotion_is_a_miss_when_the_primary_has_no_room() -> None:
+    led = tiering(capacity=1)
+    store(led, [9])
+    apply_all(led, led.take_tasks())
+    led.prepare_load(ks(9))  # the only slot is pinned
+    led.lookup(k(1), "r")
+    answer_lookups(led, {k(1)})
+    assert led.lookup(k(1), "r") is MISS
+
+
+def test_lookup_answers_live_as_long_as_a_request_holds_them() -> None:
+    led = tiering()
+    led.lookup(k(1), "r")
+    answer_lookups(led, set())
+    assert led.lookup(k(1), "r") is MISS
+    # the tier gains the key meanwhile; r keeps its answer, a new request asks again
+    assert led.lookup(k(1), "s") is MISS  # shares r's answer
+    led.request_finished("r")
+    led.request_finished("s")
+    assert led.lookup(k(1), "t") is RETRY
+
+
+def test_answers_of_finished_requests_are_dropped_on_arrival() -> None:
+    led = tiering()
+    led.lookup(k(1), "r")
+    [task] = led.take_tasks()
+    led.request_finished("r")
+    led.apply(task.task_id, [True])
+    assert led.lookup(k(1), "s") is RETRY
+
+
+def test_cascade_skips_keys_a_tier_is_known_to_hold() -> None:
+    led = tiering()
+    led.lookup(k(1), "r")
+    answer_lookups(led, {k(1)})
+    led.lookup(k(1), "r")
+    apply_all(led, led.take_tasks())  # promoted: the tier has it
+    store(led, [1, 2], req="r")
+    [cascade] = led.take_tasks()
+    assert cascade.keys == (k(2),)
+
+
+def test_request_level_cascades_hit_blocks_too() -> None:
+    led = tiering(store_policy=StorePolicy.REQUEST_LEVEL)
+    store(led, [1])
+    led.take_tasks()  # cascade of 1, not applied: the tier may not have it yet
+    out = led.prepare_store(ks(1, 2), "r")
+    assert out is not None and out.keys_to_store == ks(2)
+    [cascade] = led.take_tasks()
+    assert cascade.keys == (k(1),)  # the hit block, cascaded again for this request
+
+
+def test_reset_needs_a_drain_and_drops_queued_work() -> None:
+    led = tiering()
+    store(led, [1])
+    led.lookup(k(5), "r")
+    tasks = led.take_tasks()
+    with pytest.raises(LedgerError, match="outstanding"):
+        led.reset()
+    apply_all(led, tasks)
+    led.lookup(k(6), "r")  # a queued lookup, dropped by the reset
+    led.reset()
+    assert not led.has_pending_work()
+    assert led.lookup(k(1), "r") is RETRY  # gone from the primary; the tier is asked
+
+
+def test_apply_of_an_unknown_task_is_an_error() -> None:
+    with pytest.raises(LedgerError, match="not outstanding"):
+        tiering().apply(42, [])
