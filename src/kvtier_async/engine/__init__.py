@@ -3,9 +3,11 @@
 from .engine import Engine, EngineClosed
 from .jobs import CancelledJobError, Job, JobCancelled, JobError, JobHandle, JobResult
 from .lane import Executor, Lane, LaneStatistics
+from .threaded import Deferred, ThreadedEngine
 
 __all__ = [
     "CancelledJobError",
+    "Deferred",
     "Engine",
     "EngineClosed",
     "Executor",
@@ -16,4 +18,5 @@ __all__ = [
     "JobResult",
     "Lane",
     "LaneStatistics",
+    "ThreadedEngine",
 ]
