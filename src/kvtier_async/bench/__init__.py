@@ -1,0 +1,36 @@
+"""Benchmarks, apart from tests: each measures ours against a reference in the same run.
+
+`BENCHMARKS` maps a name to ``"module:function"``, imported only when that benchmark runs, so
+listing them costs nothing. Every function has the `BenchFn` signature and returns a list of
+`BenchRecord` (see `kvtier_async.bench.report`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Protocol
+
+from kvtier_async.bench.report import BenchRecord
+
+__all__ = ["BENCHMARKS", "BenchFn", "load"]
+
+BENCHMARKS: dict[str, str] = {
+    "ledger": "kvtier_async.bench.ledger:run",
+    "fs": "kvtier_async.bench.fs:run",
+}
+
+
+class BenchFn(Protocol):
+    """A benchmark: ``quick`` for a short smoke run, ``progress`` for one-line status notes."""
+
+    def __call__(
+        self, *, quick: bool = False, progress: Callable[[str], None] | None = None
+    ) -> list[BenchRecord]: ...
+
+
+def load(name: str) -> BenchFn:
+    """Import and return the function of benchmark *name* (`KeyError` if there is none)."""
+    module_name, _, function_name = BENCHMARKS[name].partition(":")
+    function: BenchFn = getattr(importlib.import_module(module_name), function_name)
+    return function

@@ -1,0 +1,131 @@
+"""The ``kvtier`` command: ``bench``, ``demo`` and ``version``.
+
+This is the only place that configures log output: `configure_logging` sends the library's
+``logging`` records to stderr, rendered by structlog's console renderer. Results go to stdout;
+progress notes go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import structlog
+
+from kvtier_async import __version__, bench
+from kvtier_async.bench.report import BenchRecord, render_table
+
+__all__ = ["configure_logging", "main", "print_records", "run_benchmarks"]
+
+_DESCRIPTION = "kvtier-async: a three-tier KV cache (GPU -> CPU -> files / S3)."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line *argv* (default ``sys.argv[1:]``); return the exit status."""
+    args = _parser().parse_args(argv)
+    handler = configure_logging(args.verbose)
+    try:
+        status: int = args.command(args)
+        return status
+    finally:
+        logging.getLogger().removeHandler(handler)
+
+
+def configure_logging(verbose: bool) -> logging.Handler:
+    """Render ``kvtier_async`` log records (INFO, or DEBUG if *verbose*) to stderr.
+
+    Returns the handler added to the root logger, so a caller can remove it again.
+    """
+    formatter = structlog.stdlib.ProcessorFormatter(
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
+        ],
+        foreign_pre_chain=[
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            structlog.processors.TimeStamper(fmt="%H:%M:%S"),
+        ],
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    logging.getLogger().addHandler(handler)
+    logging.getLogger("kvtier_async").setLevel(logging.DEBUG if verbose else logging.INFO)
+    return handler
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The argument parser: one subcommand per action, each storing its function."""
+    parser = argparse.ArgumentParser(prog="kvtier", description=_DESCRIPTION)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log DEBUG lines too")
+    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    run = commands.add_parser("bench", help="run benchmarks (all if no NAME is given)")
+    run.add_argument("names", nargs="*", type=_bench_name, metavar="NAME", help=_names_help())
+    run.add_argument("--json", action="store_true", help="print one JSON object per line")
+    run.add_argument("--quick", action="store_true", help="a short smoke run")
+    run.set_defaults(command=_bench)
+    commands.add_parser("demo", help="a short demonstration").set_defaults(command=_demo)
+    commands.add_parser("version", help="print the version").set_defaults(command=_version)
+    return parser
+
+
+def _names_help() -> str:
+    """Help text for ``bench NAME``, listing the registered benchmarks."""
+    return f"benchmark to run, one of: {', '.join(bench.BENCHMARKS)}"
+
+
+def _bench_name(name: str) -> str:
+    """Argparse type of a benchmark name: unknown names are a usage error (exit 2)."""
+    if name not in bench.BENCHMARKS:
+        valid = ", ".join(bench.BENCHMARKS)
+        raise argparse.ArgumentTypeError(f"unknown benchmark {name!r}; valid names: {valid}")
+    return name
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """``kvtier bench``: run the named benchmarks, then print their records."""
+    records = run_benchmarks(args.names or list(bench.BENCHMARKS), quick=args.quick)
+    print_records(records, as_json=args.json)
+    return 0
+
+
+def run_benchmarks(names: Sequence[str], *, quick: bool) -> list[BenchRecord]:
+    """Run each benchmark in *names*, noting progress on stderr; return all records."""
+    records: list[BenchRecord] = []
+    for name in names:
+        _progress(f"bench {name}: running{' (quick)' if quick else ''}")
+        records += bench.load(name)(quick=quick, progress=_progress)
+    return records
+
+
+def print_records(records: Sequence[BenchRecord], *, as_json: bool) -> None:
+    """Print *records* to stdout: a table, or one JSON object per line."""
+    if as_json:
+        for record in records:
+            print(record.to_json_line())
+    else:
+        print(render_table(records))
+
+
+def _progress(message: str) -> None:
+    """Write a one-line progress note to stderr."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """``kvtier demo``: a placeholder until the engine lands; runs the quick ledger bench."""
+    print("kvtier demo: the demo arrives with the engine; meanwhile, `kvtier bench ledger --quick`")
+    print_records(run_benchmarks(["ledger"], quick=True), as_json=False)
+    return 0
+
+
+def _version(args: argparse.Namespace) -> int:
+    """``kvtier version``: print the package version."""
+    print(__version__)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
