@@ -39,9 +39,11 @@ def blocks(*ids: int) -> list[np.ndarray]:
 
 
 def config(slots: int = 8, **tier: Any) -> dict[str, Any]:
-    return {"block_bytes": BLOCK, "num_slots": slots,
-            "secondary_tiers": [{"type": "memory", "n_read_workers": 1, "n_write_workers": 1,
-                                 **tier}]}
+    return {
+        "block_bytes": BLOCK,
+        "num_slots": slots,
+        "secondary_tiers": [{"type": "memory", "n_read_workers": 1, "n_write_workers": 1, **tier}],
+    }
 
 
 def tier_of(cache: TieredKVCache) -> MemoryTier:
@@ -56,8 +58,9 @@ def verify_idle(cache: TieredKVCache) -> None:
     assert not cache.has_pending_work()
 
 
-async def cancel_when(entered: Callable[[], Awaitable[object]],
-                      call: Callable[[], Awaitable[object]]) -> None:
+async def cancel_when(
+    entered: Callable[[], Awaitable[object]], call: Callable[[], Awaitable[object]]
+) -> None:
     """Run ``call``, cancel it once ``entered`` returns; it must end cancelled."""
     scope = anyio.CancelScope()
     finished = []
@@ -117,6 +120,7 @@ async def test_lookup_waits_for_a_slow_tier() -> None:
         tier.gate = anyio.Event()
         found: list[int] = []
         async with anyio.create_task_group() as tg:
+
             async def look() -> None:
                 found.append(await cache.lookup(ks(1)))
 

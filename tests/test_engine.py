@@ -45,15 +45,20 @@ class Device:
         return [True] * len(job.keys), 10 * len(job.keys)
 
 
-def job(kind: JobKind = JobKind.STORE, n: int = 1, results: list[JobResult] | None = None,
-        tier: int = -1) -> Job:
+def job(
+    kind: JobKind = JobKind.STORE,
+    n: int = 1,
+    results: list[JobResult] | None = None,
+    tier: int = -1,
+) -> Job:
     on_done = results.append if results is not None else None
     return Job(kind, tuple(bytes([i]) * 8 for i in range(n)), on_done=on_done, tier=tier)
 
 
 def engine(device: Device, *, workers: int = 1, depth: int = 8) -> Engine:
-    return Engine([], lambda slot: memoryview(b""), device=device, device_workers=workers,
-                  queue_depth=depth)
+    return Engine(
+        [], lambda slot: memoryview(b""), device=device, device_workers=workers, queue_depth=depth
+    )
 
 
 async def test_await_handle_gives_the_result() -> None:
@@ -163,22 +168,21 @@ async def test_closing_the_engine_ends_every_job_as_cancelled() -> None:
 async def test_a_submitter_waiting_for_room_is_released_by_close() -> None:
     device = Device()
     outcome: list[BaseException] = []
-    async with anyio.create_task_group() as tg:
-        async with engine(device, workers=1, depth=1) as eng:
-            eng.submit_nowait(job())
-            await device.entered.wait()
-            eng.submit_nowait(job())
-            waiting = anyio.Event()
+    async with anyio.create_task_group() as tg, engine(device, workers=1, depth=1) as eng:
+        eng.submit_nowait(job())
+        await device.entered.wait()
+        eng.submit_nowait(job())
+        waiting = anyio.Event()
 
-            async def submit() -> None:
-                waiting.set()
-                try:
-                    await eng.submit(job())
-                except EngineClosed as exc:
-                    outcome.append(exc)
+        async def submit() -> None:
+            waiting.set()
+            try:
+                await eng.submit(job())
+            except EngineClosed as exc:
+                outcome.append(exc)
 
-            tg.start_soon(submit)
-            await waiting.wait()
+        tg.start_soon(submit)
+        await waiting.wait()
     assert len(outcome) == 1
 
 

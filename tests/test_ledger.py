@@ -357,15 +357,20 @@ def test_policy_by_module_path() -> None:
 
 @pytest.mark.parametrize(
     ("name", "match"),
-    [("fifo", "eviction_policy must be one of"), ("kvtier_async.ledger:LedgerError", "CachePolicy")],
+    [
+        ("fifo", "eviction_policy must be one of"),
+        ("kvtier_async.ledger:LedgerError", "CachePolicy"),
+    ],
 )
 def test_bad_policy_names(name: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         PrimaryLedger(2, policy=name)
 
 
-@pytest.mark.parametrize(("field", "kwargs"), [("num_slots", {"num_slots": 0}),
-                                               ("store_threshold", {"num_slots": 1, "store_threshold": 0})])
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [("num_slots", {"num_slots": 0}), ("store_threshold", {"num_slots": 1, "store_threshold": 0})],
+)
 def test_bad_arguments_name_the_field(field: str, kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError, match=field):
         PrimaryLedger(**kwargs)

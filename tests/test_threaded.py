@@ -49,15 +49,15 @@ def test_results_come_back_through_poll(backend: str) -> None:
         threaded.submit(jobs)
         results = wait_for_results(threaded, 5)
     assert sorted(r.job_id for r in results if isinstance(r, JobResult)) == sorted(
-        j.job_id for j in jobs)
+        j.job_id for j in jobs
+    )
 
 
 def test_a_full_queue_defers_instead_of_blocking() -> None:
     device = BlockingDevice()
 
     def make() -> Engine:
-        return Engine([], lambda s: memoryview(b""), device=device, device_workers=1,
-                      queue_depth=1)
+        return Engine([], lambda s: memoryview(b""), device=device, device_workers=1, queue_depth=1)
 
     with ThreadedEngine(make) as threaded:
         first, second, third = (Job(JobKind.STORE, (bytes([i]) * 8,)) for i in range(3))
@@ -71,7 +71,9 @@ def test_a_full_queue_defers_instead_of_blocking() -> None:
         device.release.set()
         threaded.drain(timeout_s=10)
         assert {r.job_id for r in threaded.poll() if isinstance(r, JobResult)} == {
-            first.job_id, second.job_id}
+            first.job_id,
+            second.job_id,
+        }
 
 
 def test_close_cancels_jobs_in_flight() -> None:

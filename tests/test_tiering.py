@@ -16,8 +16,12 @@ from kvtier_async.ledger import (
     make_offload_key,
 )
 
-HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
-                             LookupResult.RETRY)
+HIT, MISS, PENDING, RETRY = (
+    LookupResult.HIT,
+    LookupResult.MISS,
+    LookupResult.HIT_PENDING,
+    LookupResult.RETRY,
+)
 
 
 def k(i: int) -> bytes:

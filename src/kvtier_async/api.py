@@ -1,7 +1,8 @@
 """`TieredKVCache`: the single-process async API for async serving frameworks.
 
-    async with TieredKVCache({"block_bytes": 65536, "cpu_bytes_to_use": 1 << 30,
-                              "secondary_tiers": [{"type": "fs", "root_dir": "/data/kv"}]}) as cache:
+    config = {"block_bytes": 65536, "cpu_bytes_to_use": 1 << 30,
+              "secondary_tiers": [{"type": "fs", "root_dir": "/data/kv"}]}
+    async with TieredKVCache(config) as cache:
         n = await cache.lookup(keys)            # leading keys available (promotions awaited)
         await cache.load(keys[:n], dst_blocks)  # CPU -> device
         await cache.store(keys[n:], src_blocks) # device -> CPU, then cascaded to every tier
@@ -63,9 +64,20 @@ class CacheConfig:
     device_workers: int = 2
     model: str = "kvtier-demo"
 
-    FIELDS = ("block_bytes", "num_slots", "cpu_bytes_to_use", "eviction_policy",
-              "store_threshold", "store_policy", "secondary_tiers", "instance_id", "region_dir",
-              "queue_depth", "device_workers", "model")
+    FIELDS = (
+        "block_bytes",
+        "num_slots",
+        "cpu_bytes_to_use",
+        "eviction_policy",
+        "store_threshold",
+        "store_policy",
+        "secondary_tiers",
+        "instance_id",
+        "region_dir",
+        "queue_depth",
+        "device_workers",
+        "model",
+    )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CacheConfig:
@@ -81,8 +93,9 @@ class CacheConfig:
             "num_slots": _num_slots(s, block_bytes),
             "eviction_policy": s.get_str("eviction_policy", "lru"),
             "store_threshold": s.get_int("store_threshold", 1, low=1),
-            "store_policy": StorePolicy(s.get_str("store_policy", "block_level",
-                                                  choices=[p.value for p in StorePolicy])),
+            "store_policy": StorePolicy(
+                s.get_str("store_policy", "block_level", choices=[p.value for p in StorePolicy])
+            ),
             "secondary_tiers": tuple(s.get_list("secondary_tiers", [])),
             "region_dir": s.get_str("region_dir", "/dev/shm"),
             "queue_depth": s.get_int("queue_depth", 256, low=1, high=1 << 20),
@@ -138,20 +151,37 @@ class TieredKVCache:
 
     async def __aenter__(self) -> TieredKVCache:
         cfg = self.config
-        region = await anyio.to_thread.run_sync(functools.partial(
-            SharedRegion, cfg.instance_id, cfg.num_slots, cfg.block_bytes, directory=cfg.region_dir))
+        region = await anyio.to_thread.run_sync(
+            functools.partial(
+                SharedRegion,
+                cfg.instance_id,
+                cfg.num_slots,
+                cfg.block_bytes,
+                directory=cfg.region_dir,
+            )
+        )
         self._region, self._slots = region, region.numpy()
-        ctx = TierContext(block_bytes=region.row_bytes, model=cfg.model,
-                          instance_id=cfg.instance_id)
+        ctx = TierContext(
+            block_bytes=region.row_bytes, model=cfg.model, instance_id=cfg.instance_id
+        )
         try:
-            tiers = [make_tier(t, ctx, f"secondary_tiers[{i}]")
-                     for i, t in enumerate(cfg.secondary_tiers)]
-            primary = PrimaryLedger(cfg.num_slots, policy=cfg.eviction_policy,
-                                    store_threshold=cfg.store_threshold)
-            self._ledger = TieringLedger(primary, [t.name for t in tiers],
-                                         store_policy=cfg.store_policy)
-            engine = Engine(tiers, self._block_view, device=self._copy,
-                            device_workers=cfg.device_workers, queue_depth=cfg.queue_depth)
+            tiers = [
+                make_tier(t, ctx, f"secondary_tiers[{i}]")
+                for i, t in enumerate(cfg.secondary_tiers)
+            ]
+            primary = PrimaryLedger(
+                cfg.num_slots, policy=cfg.eviction_policy, store_threshold=cfg.store_threshold
+            )
+            self._ledger = TieringLedger(
+                primary, [t.name for t in tiers], store_policy=cfg.store_policy
+            )
+            engine = Engine(
+                tiers,
+                self._block_view,
+                device=self._copy,
+                device_workers=cfg.device_workers,
+                queue_depth=cfg.queue_depth,
+            )
             await engine.__aenter__()
         except BaseException:
             await self._close_region()
@@ -159,8 +189,12 @@ class TieredKVCache:
         self._engine = engine
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         """Drain (cascades finish) on a clean exit; on an error, cancel what is in flight."""
         engine = self._engine
         try:
@@ -244,8 +278,13 @@ class TieredKVCache:
                 raise
 
     def _job(self, task: TierTask) -> Job:
-        return Job(task.kind, task.keys, task.slot_ids, tier=task.tier,
-                   on_done=functools.partial(self._apply_task, task))
+        return Job(
+            task.kind,
+            task.keys,
+            task.slot_ids,
+            tier=task.tier,
+            on_done=functools.partial(self._apply_task, task),
+        )
 
     def _apply_task(self, task: TierTask, result: JobResult | None) -> None:
         """Apply a tier job's result; None: it never ran (every key failed)."""
@@ -259,8 +298,9 @@ class TieredKVCache:
 
     # --- store and load ----------------------------------------------------------------
 
-    async def store(self, keys: Sequence[bytes], blocks: Sequence[Any],
-                    req: Hashable | None = None) -> StoreResult:
+    async def store(
+        self, keys: Sequence[bytes], blocks: Sequence[Any], req: Hashable | None = None
+    ) -> StoreResult:
         """Copy the blocks of keys not held yet into the CPU tier; the cascade to every
         secondary tier runs in the background (`drain` waits for it)."""
         views = self._views(keys, blocks, writable=False)
@@ -271,8 +311,9 @@ class TieredKVCache:
         if stored:
             position = {key: i for i, key in enumerate(keys)}
             payload = (out.store_spec.slot_ids, [views[position[key]] for key in stored])
-            result = await self._run(Job(JobKind.STORE, tuple(stored), payload,
-                                         on_done=self._stored), self._fail_store)
+            result = await self._run(
+                Job(JobKind.STORE, tuple(stored), payload, on_done=self._stored), self._fail_store
+            )
             stored = result.succeeded
         await self.flush()
         return StoreResult(stored, len(set(keys)) - len(out.keys_to_store))
@@ -325,8 +366,9 @@ class TieredKVCache:
     def _views(self, keys: Sequence[bytes], blocks: Sequence[Any], *, writable: bool) -> list[Any]:
         if len(keys) != len(blocks):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
-        return [_as_bytes(block, self.config.block_bytes, i, writable)
-                for i, block in enumerate(blocks)]
+        return [
+            _as_bytes(block, self.config.block_bytes, i, writable) for i, block in enumerate(blocks)
+        ]
 
     async def _copy(self, job: Job) -> tuple[Sequence[bool], int]:
         slot_ids, views = job.payload
@@ -373,8 +415,13 @@ class TieredKVCache:
     def stats(self) -> CacheStats:
         ledger = self.ledger
         tiers = list(zip(ledger.counters, (t.statistics() for t in self.tiers)))
-        return CacheStats(ledger.primary.statistics(), tiers, self.engine.statistics(),
-                          self._lookups, self._lookup_hits)
+        return CacheStats(
+            ledger.primary.statistics(),
+            tiers,
+            self.engine.statistics(),
+            self._lookups,
+            self._lookup_hits,
+        )
 
 
 def _close_region(region: SharedRegion) -> None:
@@ -387,8 +434,10 @@ def _close_region(region: SharedRegion) -> None:
         try:
             region.close()
         except RegionInUseError:
-            log.warning("region views outlive the cache; unmapped when the last one goes",
-                        path=str(region.path))
+            log.warning(
+                "region views outlive the cache; unmapped when the last one goes",
+                path=str(region.path),
+            )
 
 
 def _as_bytes(block: Any, block_bytes: int, index: int, writable: bool) -> Any:
@@ -398,8 +447,9 @@ def _as_bytes(block: Any, block_bytes: int, index: int, writable: bool) -> Any:
     try:
         array = np.asarray(memoryview(block) if not isinstance(block, np.ndarray) else block)
     except TypeError as exc:
-        raise TypeError(f"blocks[{index}]: a tensor, array or buffer is needed, got "
-                        f"{type(block).__name__}") from exc
+        raise TypeError(
+            f"blocks[{index}]: a tensor, array or buffer is needed, got {type(block).__name__}"
+        ) from exc
     if not array.flags.c_contiguous:
         raise ValueError(f"blocks[{index}] must be contiguous")
     flat = array.reshape(-1).view(np.uint8)

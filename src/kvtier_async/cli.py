@@ -8,6 +8,7 @@ progress notes go to stderr.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from collections.abc import Sequence
@@ -66,9 +67,23 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object per line")
     run.add_argument("--quick", action="store_true", help="a short smoke run")
     run.set_defaults(command=_bench)
-    commands.add_parser("demo", help="a short demonstration").set_defaults(command=_demo)
+    show = commands.add_parser("demo", help="a simulated multi-turn chat through the tiers")
+    show.add_argument("--conversations", type=_positive, default=24, help="default 24")
+    show.add_argument("--turns", type=_positive, default=5, help="turns each, default 5")
+    show.set_defaults(command=_demo)
     commands.add_parser("version", help="print the version").set_defaults(command=_version)
     return parser
+
+
+def _positive(text: str) -> int:
+    """Argparse type: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _names_help() -> str:
@@ -115,9 +130,15 @@ def _progress(message: str) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """``kvtier demo``: a placeholder until the engine lands; runs the quick ledger bench."""
-    print("kvtier demo: the demo arrives with the engine; meanwhile, `kvtier bench ledger --quick`")
-    print_records(run_benchmarks(["ledger"], quick=True), as_json=False)
+    """``kvtier demo``: a simulated multi-turn chat through the tiers, then a per-tier table."""
+    import anyio
+
+    from kvtier_async import demo
+
+    report = anyio.run(
+        functools.partial(demo.main, conversations=args.conversations, turns=args.turns)
+    )
+    print(demo.render_report(report))
     return 0
 
 

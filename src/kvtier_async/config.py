@@ -49,7 +49,9 @@ class Section:
             raise ConfigError(self.name(key), "is required")
         return value
 
-    def get_int(self, key: str, default: Any = _MISSING, *, low: int = 0, high: int | None = None) -> Any:
+    def get_int(
+        self, key: str, default: Any = _MISSING, *, low: int = 0, high: int | None = None
+    ) -> Any:
         value = self._get(key, default)
         if value is None and default is None:
             return None
@@ -60,8 +62,9 @@ class Section:
             raise ConfigError(self.name(key), f"must be {bound}, got {value}")
         return value
 
-    def get_float(self, key: str, default: Any = _MISSING, *, low: float = 0.0,
-              high: float | None = None) -> Any:
+    def get_float(
+        self, key: str, default: Any = _MISSING, *, low: float = 0.0, high: float | None = None
+    ) -> Any:
         value = self._get(key, default)
         if value is None and default is None:
             return None
@@ -78,8 +81,14 @@ class Section:
             raise ConfigError(self.name(key), f"must be true or false, got {value!r}")
         return value
 
-    def get_str(self, key: str, default: Any = _MISSING, *, choices: Iterable[str] | None = None,
-            allow_empty: bool = False) -> Any:
+    def get_str(
+        self,
+        key: str,
+        default: Any = _MISSING,
+        *,
+        choices: Iterable[str] | None = None,
+        allow_empty: bool = False,
+    ) -> Any:
         value = self._get(key, default)
         if value is None and default is None:
             return None

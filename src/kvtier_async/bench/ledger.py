@@ -10,7 +10,9 @@ the unique blocks, so eviction never stops. Operations are the ledger calls the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -56,7 +58,8 @@ def make_trace(
 
 
 def _chain(name: str, n: int, parent: bytes = b"") -> list[bytes]:
-    keys, h = [], hashlib.sha256(parent + name.encode()).digest()
+    keys: list[bytes] = []
+    h = hashlib.sha256(parent + name.encode()).digest()
     for i in range(n):
         h = hashlib.sha256(h + i.to_bytes(4, "big")).digest()
         keys.append(make_offload_key(h, 0))
@@ -101,16 +104,15 @@ class _VLLM:
     """Drives vLLM's manager the way its connector's scheduler side does."""
 
     def __init__(self, policy: str, capacity: int, trace: Trace) -> None:
-        from vllm.v1.kv_offload.base import ReqContext  # type: ignore[import-not-found]
-        from vllm.v1.kv_offload.cpu.manager import (  # type: ignore[import-not-found]
-            CPUOffloadingManager,
+        base = importlib.import_module("vllm.v1.kv_offload.base")
+        manager = importlib.import_module("vllm.v1.kv_offload.cpu.manager")
+        self.manager: Any = manager.CPUOffloadingManager(
+            capacity, cache_policy=policy, enable_events=True
         )
-
-        self.manager = CPUOffloadingManager(capacity, cache_policy=policy, enable_events=True)
         self.hit = LookupResult.HIT.name
         self.contexts = []
         for index, keys in enumerate(trace.requests):  # built before the clock starts
-            ctx = ReqContext(req_id=str(index))
+            ctx = base.ReqContext(req_id=str(index))
             for position, key in enumerate(keys, 1):
                 ctx.set_offload_key_position(key, position * BLOCK_TOKENS)
             self.contexts.append(ctx)
@@ -179,16 +181,18 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
     trace = make_trace(num_requests=800 if quick else 4000)
     repeats = 1 if quick else 3
     with_vllm = _vllm_available()
-    say(f"ledger: {len(trace.requests)} requests, {trace.unique_blocks} unique blocks, "
-        f"capacity {trace.capacity}; vLLM reference {'on' if with_vllm else 'not installed'}")
+    say(
+        f"ledger: {len(trace.requests)} requests, {trace.unique_blocks} unique blocks, "
+        f"capacity {trace.capacity}; vLLM reference {'on' if with_vllm else 'not installed'}"
+    )
     records: list[BenchRecord] = []
     for policy in ("lru", "arc"):
         say(f"ledger: {policy}: ours")
-        ours = _best(lambda: _Ours(policy, trace.capacity), trace, repeats)
+        ours = _best(functools.partial(_Ours, policy, trace.capacity), trace, repeats)
         ref = None
         if with_vllm:
             say(f"ledger: {policy}: vLLM")
-            ref = _best(lambda: _VLLM(policy, trace.capacity, trace), trace, repeats)
+            ref = _best(functools.partial(_VLLM, policy, trace.capacity, trace), trace, repeats)
         records += _records(policy, ours, ref)
     return records
 
@@ -198,10 +202,18 @@ def _records(policy: str, ours: _Result, ref: _Result | None) -> list[BenchRecor
         value: Any = getattr(ours, metric)
         reference = None if ref is None else getattr(ref, metric)
         return throughput_record(
-            "ledger", policy, metric, value, reference=reference,
+            "ledger",
+            policy,
+            metric,
+            value,
+            reference=reference,
             reference_name=None if ref is None else VLLM_NAME,
-            target=None if ref is None else target, unit=unit,
+            target=None if ref is None else target,
+            unit=unit,
         )
 
-    return [rec("ops_per_s", TARGETS[policy], "ops/s"), rec("keys_per_s", None, "keys/s"),
-            rec("hit_rate", 1.0, "")]
+    return [
+        rec("ops_per_s", TARGETS[policy], "ops/s"),
+        rec("keys_per_s", None, "keys/s"),
+        rec("hit_rate", 1.0, ""),
+    ]

@@ -82,7 +82,9 @@ class Engine:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
         stack, self._stack = self._stack, None
@@ -99,13 +101,19 @@ class Engine:
 
     async def _start_lanes(self, tg: anyio.abc.TaskGroup) -> None:
         if self._device is not None:
-            self._lanes[(-1, False)] = Lane("device", self._device, workers=self._device_workers,
-                                            depth=self._depth)
+            self._lanes[(-1, False)] = Lane(
+                "device", self._device, workers=self._device_workers, depth=self._depth
+            )
         for index, tier in enumerate(self.tiers):
-            io = Lane(tier.name, self._tier_io(tier), workers=tier.read_workers + tier.write_workers,
-                      depth=self._depth)
-            lookups = Lane(f"{tier.name}:lookup", self._tier_lookup(tier), workers=1,
-                           depth=self._depth)
+            io = Lane(
+                tier.name,
+                self._tier_io(tier),
+                workers=tier.read_workers + tier.write_workers,
+                depth=self._depth,
+            )
+            lookups = Lane(
+                f"{tier.name}:lookup", self._tier_lookup(tier), workers=1, depth=self._depth
+            )
             self._lanes[(index, False)] = io
             self._lanes[(index, True)] = lookups
         for lane in self._lanes.values():

@@ -15,12 +15,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from kvtier_async.ledger import JobKind
 
 __all__ = [
     "CancelledJobError",
-    "Job", "JobCancelled", "JobError", "JobHandle", "JobKind", "JobResult"]
+    "Job",
+    "JobCancelled",
+    "JobError",
+    "JobHandle",
+    "JobKind",
+    "JobResult",
+]
 
 _job_ids = itertools.count(1)
 
@@ -38,7 +45,7 @@ class Job:
     submitted_at: float = field(default_factory=time.perf_counter)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class JobResult:
     """How a job ended. ``ok[i]`` says whether ``keys[i]`` succeeded (for a lookup: whether
     the key is present). ``error`` is set when the whole job failed; then ``ok`` is all False."""
@@ -75,7 +82,9 @@ class JobResult:
 
     @classmethod
     def cancelled_result(cls, job: Job) -> JobResult:
-        return cls.failure(job, CancelledJobError(f"job {job.job_id} was cancelled"), cancelled=True)
+        return cls.failure(
+            job, CancelledJobError(f"job {job.job_id} was cancelled"), cancelled=True
+        )
 
 
 class CancelledJobError(Exception):
@@ -101,7 +110,7 @@ class JobHandle:
 
     def __init__(self, job: Job, notify: Callable[[JobResult], None] | None = None) -> None:
         self.job = job
-        self._event = anyio.Event()
+        self._event: anyio.Event | None = None  # made when someone waits
         self._result: JobResult | None = None
         self._scope: anyio.CancelScope | None = None
         self._notify = notify
@@ -126,7 +135,12 @@ class JobHandle:
             self._resolve(JobResult.cancelled_result(self.job))
 
     async def wait(self) -> JobResult:
-        await self._event.wait()
+        if self._result is None:
+            if self._event is None:
+                self._event = anyio.Event()
+            await self._event.wait()
+        else:
+            await anyio.lowlevel.checkpoint()
         return self.result()
 
     def __await__(self) -> Generator[Any, None, JobResult]:
@@ -137,7 +151,8 @@ class JobHandle:
         if self._result is not None:
             return False
         self._result = result
-        self._event.set()
+        if self._event is not None:
+            self._event.set()
         if self.job.on_done is not None:
             self.job.on_done(result)
         if self._notify is not None:

@@ -59,7 +59,9 @@ class Lane:
         self._reads = anyio.create_memory_object_stream[JobHandle](depth)
         self._writes = anyio.create_memory_object_stream[JobHandle](depth)
         self._bell = anyio.create_memory_object_stream[None](2 * depth)
-        self._room = anyio.Event()  # set (and replaced) whenever a worker takes a job
+        self._room: anyio.Event | None = None  # set when the queues drained to low water
+        self._low_water = depth // 2
+        self._queued = 0
         self.closed = False
         self._running = self._completed = self._failed = self._cancelled = 0
         self._keys_ok = self._keys_failed = self._bytes = 0
@@ -73,6 +75,7 @@ class Lane:
         if self.closed:
             raise anyio.ClosedResourceError
         self._queue(handle).send_nowait(handle)
+        self._queued += 1
         self._bell[0].send_nowait(None)
 
     async def submit(self, handle: JobHandle) -> None:
@@ -82,6 +85,8 @@ class Lane:
                 self.submit_nowait(handle)
                 return
             except anyio.WouldBlock:
+                if self._room is None:
+                    self._room = anyio.Event()
                 await self._room.wait()
 
     def _queue(self, handle: JobHandle) -> MemoryObjectSendStream[JobHandle]:
@@ -90,33 +95,49 @@ class Lane:
     # --- workers -----------------------------------------------------------------------
 
     async def run_worker(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """Take jobs until the lane's streams close. One cancel scope serves job after job
+        (a scope per job costs more than a no-op job); cancelling a running job cancels the
+        current scope, and the worker goes on in a fresh one."""
         task_status.started()
-        async for _ in self._bell[1]:
-            handle = self._take()
-            if not handle.done():  # a queued job cancelled by its handle is skipped
-                await self._run(handle)
+        while True:
+            with anyio.CancelScope() as scope:
+                while not scope.cancel_called:
+                    try:
+                        await self._bell[1].receive()
+                    except (anyio.EndOfStream, anyio.ClosedResourceError):
+                        return
+                    handle = self._take()
+                    if not handle.done():  # a queued job cancelled by its handle is skipped
+                        await self._run(handle, scope)
 
     def _take(self) -> JobHandle:
-        room, self._room = self._room, anyio.Event()
-        room.set()
+        self._queued -= 1
+        if self._room is not None and self._queued <= self._low_water:
+            # Waking submitters at low water, not per job, saves a switch per job.
+            self._room.set()
+            self._room = None
         try:
             return self._reads[1].receive_nowait()
         except anyio.WouldBlock:
             return self._writes[1].receive_nowait()
 
-    async def _run(self, handle: JobHandle) -> None:
+    async def _run(self, handle: JobHandle, scope: anyio.CancelScope) -> None:
         job, start = handle.job, time.perf_counter()
+        handle._scope = scope
         self._running += 1
         try:
-            with anyio.CancelScope() as scope:
-                handle._scope = scope
-                ok, nbytes = await self._execute(job)
+            ok, nbytes = await self._execute(job)
         except anyio.get_cancelled_exc_class():
             self._finish(handle, JobResult.cancelled_result(job), start)
             raise
         except Exception as exc:
-            log.warning("job failed", lane=self.name, job_id=job.job_id, kind=job.kind.value,
-                        error=repr(exc))
+            log.warning(
+                "job failed",
+                lane=self.name,
+                job_id=job.job_id,
+                kind=job.kind.value,
+                error=repr(exc),
+            )
             self._finish(handle, JobResult.failure(job, exc), start)
             return
         if scope.cancel_called:  # cancelled, even if the work ended before a checkpoint
@@ -127,11 +148,20 @@ class Lane:
     @staticmethod
     def _success(job: Job, ok: Sequence[bool], nbytes: int, start: float) -> JobResult:
         if len(ok) != len(job.keys):
-            raise RuntimeError(f"{job.kind.value} job {job.job_id}: {len(ok)} outcomes for "
-                               f"{len(job.keys)} keys")
+            raise RuntimeError(
+                f"{job.kind.value} job {job.job_id}: {len(ok)} outcomes for {len(job.keys)} keys"
+            )
         now = time.perf_counter()
-        return JobResult(job.job_id, job.kind, job.keys, tuple(map(bool, ok)), nbytes,
-                         queued_s=start - job.submitted_at, run_s=now - start)
+        flags = ok if isinstance(ok, tuple) else tuple(map(bool, ok))
+        return JobResult(
+            job.job_id,
+            job.kind,
+            job.keys,
+            flags,
+            nbytes,
+            queued_s=start - job.submitted_at,
+            run_s=now - start,
+        )
 
     def _finish(self, handle: JobHandle, result: JobResult, start: float) -> None:
         handle._scope = None
@@ -157,7 +187,8 @@ class Lane:
     def close(self) -> None:
         """Refuse new jobs; wake submitters waiting for room (they get ClosedResourceError)."""
         self.closed = True
-        self._room.set()
+        if self._room is not None:
+            self._room.set()
 
     def cancel_queued(self) -> int:
         """End every queued job as cancelled and close the streams (after the workers

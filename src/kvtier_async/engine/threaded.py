@@ -70,8 +70,12 @@ class ThreadedEngine:
             self._stack = stack.pop_all()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -85,9 +89,12 @@ class ThreadedEngine:
 
     # --- owner's side (any one thread) ------------------------------------------------
 
-    def submit(self, jobs: Iterable[Job]) -> None:
+    def submit(self, jobs: Iterable[Job], *, wake: bool = True) -> None:
         """Hand jobs to the engine without waiting; each one's result comes out of `poll`
-        (its ``on_done`` is replaced)."""
+        (its ``on_done`` is replaced). With ``wake=False`` they wait in the inbox for the
+        next `wake`: a scheduler queues during its step and wakes the loop once at the end,
+        when it is about to wait for the model anyway (waking the loop mid-step makes the
+        two threads fight for the GIL)."""
         batch = list(jobs)
         if not batch:
             return
@@ -96,6 +103,13 @@ class ThreadedEngine:
         for job in batch:
             job.on_done = self._outbox.put
         self._inbox.put(batch)
+        if wake:
+            self.wake()
+
+    def wake(self) -> None:
+        """Make the loop take the inbox now."""
+        if self._inbox.empty():
+            return
         with contextlib.suppress(BlockingIOError):  # a byte is waiting already
             self._wake_w.send(b"\0")
 

@@ -40,10 +40,11 @@ __all__ = [
     "SlotTable",
     "StorePolicy",
     "TierCounters",
+    "TierSpec",
     "TierTask",
     "TieringLedger",
-    "TierSpec",
     "get_group_idx",
     "make_offload_key",
+    "make_policy",
     "split_offload_key",
 ]

@@ -248,8 +248,10 @@ class TieringLedger:
     def take_tasks(self) -> list[TierTask]:
         """Everything decided since the last call: promotions batched per (tier, request),
         one lookup batch per tier, and the cascades. The owner must `apply` each."""
-        tasks = [self._task(JobKind.PROMOTE, tier, keys, slots)
-                 for (tier, _req), (keys, slots) in self._promotions.items()]
+        tasks = [
+            self._task(JobKind.PROMOTE, tier, keys, slots)
+            for (tier, _req), (keys, slots) in self._promotions.items()
+        ]
         self._promotions.clear()
         for index, tier in enumerate(self._lookups):
             batch = tier.take_batch()
@@ -285,14 +287,21 @@ class TieringLedger:
             counters.cascaded += len(good)
             counters.cascade_failed += len(bad)
             if good:
-                self._events.append(OffloadingEvent(good, Medium.STORAGE, removed=False,
-                                                    tier=self.tier_names[task.tier]))
+                self._events.append(
+                    OffloadingEvent(
+                        good, Medium.STORAGE, removed=False, tier=self.tier_names[task.tier]
+                    )
+                )
 
     # --- state -------------------------------------------------------------------------
 
     def has_pending_work(self) -> bool:
-        return bool(self._out or self._queued or self._promotions
-                    or any(tier.batch for tier in self._lookups))
+        return bool(
+            self._out
+            or self._queued
+            or self._promotions
+            or any(tier.batch for tier in self._lookups)
+        )
 
     def outstanding(self) -> list[TierTask]:
         return list(self._out.values())

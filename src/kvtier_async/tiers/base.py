@@ -114,10 +114,10 @@ class SecondaryTier(ABC):
         self.read_workers = read_workers
         self.write_workers = write_workers
 
-    async def open(self) -> None:
+    async def open(self) -> None:  # noqa: B027 - optional hook
         """Prepare (probe the storage, clean up leftovers). Raise with a clear message."""
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release every resource; idempotent."""
 
     @abstractmethod

@@ -51,8 +51,16 @@ class MemoryTier(SecondaryTier):
         self._data: OrderedDict[bytes, bytes] = OrderedDict()
         self._size = 0
         self._random = random.Random(seed)
-        self._stats = {"stored": 0, "loaded": 0, "written": 0, "read": 0, "store_fail": 0,
-                       "load_fail": 0, "lookups": 0, "hits": 0}
+        self._stats = {
+            "stored": 0,
+            "loaded": 0,
+            "written": 0,
+            "read": 0,
+            "store_fail": 0,
+            "load_fail": 0,
+            "lookups": 0,
+            "hits": 0,
+        }
 
     def __contains__(self, key: object) -> bool:
         return key in self._data
@@ -68,7 +76,9 @@ class MemoryTier(SecondaryTier):
             await anyio.sleep(delay)
 
     def _fails(self, key: bytes) -> bool:
-        return key in self.fail_keys or (self.fail_rate > 0 and self._random.random() < self.fail_rate)
+        return key in self.fail_keys or (
+            self.fail_rate > 0 and self._random.random() < self.fail_rate
+        )
 
     async def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         await self._wait(self.lookup_latency_s)
@@ -119,8 +129,16 @@ class MemoryTier(SecondaryTier):
     def statistics(self) -> TierStatistics:
         s = self._stats
         return TierStatistics(
-            self.name, self.kind, s["stored"], s["loaded"], s["written"], s["read"],
-            s["store_fail"], s["load_fail"], s["lookups"], s["hits"],
+            self.name,
+            self.kind,
+            s["stored"],
+            s["loaded"],
+            s["written"],
+            s["read"],
+            s["store_fail"],
+            s["load_fail"],
+            s["lookups"],
+            s["hits"],
             detail=f"{len(self._data)} blocks in memory",
         )
 
@@ -128,8 +146,19 @@ class MemoryTier(SecondaryTier):
 def from_config(section: Section, name: str, ctx: TierContext) -> MemoryTier:
     """``{"type": "memory", "latency_s", "lookup_latency_s", "fail_rate", "capacity_bytes",
     "n_read_workers", "n_write_workers", "seed"}``."""
-    section.allow_only(["type", "name", "latency_s", "lookup_latency_s", "fail_rate",
-                        "capacity_bytes", "n_read_workers", "n_write_workers", "seed"])
+    section.allow_only(
+        [
+            "type",
+            "name",
+            "latency_s",
+            "lookup_latency_s",
+            "fail_rate",
+            "capacity_bytes",
+            "n_read_workers",
+            "n_write_workers",
+            "seed",
+        ]
+    )
     return MemoryTier(
         name,
         ctx,
