@@ -1,0 +1,531 @@
+"""Transfer handlers: move the blocks of one (src spec, dst spec) pair as one job.
+
+Theory of operation
+-------------------
+The worker side of the offload. `TransferRouter` holds one handler per (source medium,
+destination medium), as vLLM's ``OffloadingWorker`` does, and picks it from the specs'
+``medium``: ``(GPU, CPU)`` stores device blocks into CPU slots, ``(CPU, GPU)`` loads them
+back. The "GPU" side is whatever device the canonical KV views live on: CUDA memory in
+production, CPU tensors where there is no GPU (tests, CPU-only runs). The handler kind is
+chosen once, at construction, from that device:
+
+`HostCopyHandler` (device caches in CPU memory)
+    Plans the copy (`plan_transfer`) and runs the batch copy
+    (`kvtier_async.transfer.hostcopy`, which joins contiguous runs) in a worker thread
+    with ``anyio.to_thread.run_sync``, so the loop stays free and the GIL is released
+    during the copy. Cancelling the job does not abandon the thread: the awaiting task
+    returns (raising the cancellation) only after the copy has finished, so no copy ever
+    writes after its job reported done.
+`CudaCopyHandler`
+    Each transfer borrows a stream and a start/end event pair from the handler's pools.
+    The stream first waits on the compute stream (a store must not read KV the forward
+    pass is still writing; a load must not race pending writes to its blocks) and on the
+    previous transfer's end event (transfers run in submission order). The copy path is
+    chosen once, at construction: when every page is smaller than ``triton_threshold``
+    (28 KiB by default) and 8-byte aligned and the host slots are pinned, a batch is one
+    launch of the Triton swap-blocks kernel (`kernels.swap_blocks`; batches of fewer than
+    ``MIN_JOBS`` runs still use the copy engine); otherwise the copy engine moves it, one
+    ``cudaMemcpyAsync`` per merged run (through ctypes on torch's CUDA runtime, after a
+    self-test; else ``Tensor.copy_(non_blocking=True)`` on views). Completion is the end event,
+    awaited through the `EventBridge`; a cancelled job waits for the end event (shielded)
+    before it re-raises.
+
+Every handler offers ``await transfer(src, dst)`` and a synchronous ``execute(src, dst)``
+for worker threads (the sync vLLM face). Both return a `TransferResult` (bytes moved,
+seconds the copy took) or raise: `ValueError` for specs that do not fit the caches,
+`TransferError` for a failed copy.
+
+*Timing of stores.* vLLM submits a step's GPU -> CPU stores at the start of the *next*
+step, after the sampled tokens have been sent, so that offloading never delays token
+generation. That deferral is the caller's business (the engine/connector); a handler
+starts a transfer when asked.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+
+from kvtier_async._log import get_logger
+from kvtier_async.ledger import CPUSpec, GPUSpec, Medium
+
+from ._cudart import memcpy_async
+from .bridge import BridgeStrategy, EventBridge
+from .canonical import CanonicalKV, SlotLayout
+from .hostcopy import BatchCopier, batch_copier, copier_name, merges_runs
+from .plan import CopyPlan, HostSlots, plan_transfer
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtier_async.memory import SharedRegion
+
+__all__ = [
+    "CudaCopyHandler",
+    "HostCopyHandler",
+    "TransferError",
+    "TransferHandler",
+    "TransferResult",
+    "TransferRouter",
+]
+
+log = get_logger(__name__)
+
+DEFAULT_TRITON_THRESHOLD: Final = 28 * 1024
+# Plans with more runs than this are enqueued from a worker thread (each copy-engine run
+# costs several microseconds of Python and driver time, which the loop should not pay).
+_INLINE_MAX_RUNS: Final = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """A finished transfer: ``bytes`` moved, ``seconds`` the copy itself took."""
+
+    bytes: int
+    seconds: float
+
+
+class TransferError(RuntimeError):
+    """A copy failed (device error, memory fault reported by the driver)."""
+
+
+Spec = GPUSpec | CPUSpec
+
+
+class TransferHandler(ABC):
+    """Moves blocks in one direction between the device KV caches and the host slots."""
+
+    def __init__(
+        self,
+        kv: CanonicalKV,
+        host: HostSlots,
+        *,
+        block_size_factor: int = 1,
+        to_host: bool,
+    ) -> None:
+        self._kv = kv
+        self._host: HostSlots | None = host
+        self._layout = kv.slot_layout(block_size_factor)
+        self._to_host = to_host
+        if host.slot_bytes < self._layout.slot_bytes:
+            raise ValueError(
+                f"host slots hold {host.slot_bytes} bytes, a block of factor "
+                f"{block_size_factor} needs {self._layout.slot_bytes}"
+            )
+
+    @property
+    def src_medium(self) -> Medium:
+        return Medium.GPU if self._to_host else Medium.CPU
+
+    @property
+    def dst_medium(self) -> Medium:
+        return Medium.CPU if self._to_host else Medium.GPU
+
+    @property
+    def slot_layout(self) -> SlotLayout:
+        return self._layout
+
+    def plan(self, src: Spec, dst: Spec) -> CopyPlan:
+        """The merged byte copies of ``src -> dst`` (validates the specs)."""
+        return self._plan(src, dst).merged()
+
+    def _plan(self, src: Spec, dst: Spec) -> CopyPlan:
+        host = self._live_host()
+        gpu, cpu = (src, dst) if self._to_host else (dst, src)
+        if not isinstance(gpu, GPUSpec) or not isinstance(cpu, CPUSpec):
+            raise ValueError(
+                f"{type(self).__name__} moves {self.src_medium.value} -> "
+                f"{self.dst_medium.value}, got {type(src).__name__} -> {type(dst).__name__}"
+            )
+        return plan_transfer(self._kv, self._layout, host, gpu, cpu, to_host=self._to_host)
+
+    @abstractmethod
+    async def transfer(self, src: Spec, dst: Spec) -> TransferResult:
+        """Move ``src`` to ``dst``; returns when the copy is complete."""
+
+    @abstractmethod
+    def execute(self, src: Spec, dst: Spec) -> TransferResult:
+        """`transfer`, blocking the calling (worker) thread."""
+
+    def close(self) -> None:
+        """Release the host memory (so its region can be closed)."""
+        self._host = None
+
+    def _live_host(self) -> HostSlots:
+        if self._host is None:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        return self._host
+
+
+class HostCopyHandler(TransferHandler):
+    """Copies between device caches that live in CPU memory and the host slots.
+
+    ``copier`` replaces the batch copy (tests use it to slow a copy down).
+    """
+
+    def __init__(
+        self,
+        kv: CanonicalKV,
+        host: HostSlots,
+        *,
+        block_size_factor: int = 1,
+        to_host: bool,
+        copier: BatchCopier | None = None,
+    ) -> None:
+        if kv.device.type != "cpu":
+            raise ValueError(f"HostCopyHandler needs CPU tensors, the KV caches are on {kv.device}")
+        super().__init__(kv, host, block_size_factor=block_size_factor, to_host=to_host)
+        self._copier = copier or batch_copier()
+        self._merge = not merges_runs(self._copier)
+
+    @property
+    def copier_name(self) -> str:
+        return copier_name(self._copier)
+
+    async def transfer(self, src: Spec, dst: Spec) -> TransferResult:
+        # Planning and copying both run in the worker thread. Not abandon_on_cancel: a
+        # cancelled job waits here until the copy has finished, then raises the
+        # cancellation (on every backend) rather than returning a result.
+        result = await anyio.to_thread.run_sync(self.execute, src, dst)
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return result
+
+    def execute(self, src: Spec, dst: Spec) -> TransferResult:
+        return self._run(self._copy_plan(src, dst))
+
+    def _copy_plan(self, src: Spec, dst: Spec) -> CopyPlan:
+        plan = self._plan(src, dst)
+        return plan.merged() if self._merge else plan  # the native copy joins runs itself
+
+    def _run(self, plan: CopyPlan) -> TransferResult:
+        started = time.perf_counter()
+        self._copier(plan)
+        return TransferResult(plan.total_bytes, time.perf_counter() - started)
+
+
+@dataclass(eq=False)
+class _InFlight:
+    stream: Any
+    start: Any
+    end: Any
+    num_bytes: int
+    keepalive: object  # what the device may still read (a pinned descriptor table)
+
+
+class CudaCopyHandler(TransferHandler):
+    """Copies between CUDA KV caches and pinned host slots on pooled side streams.
+
+    Args:
+        bridge: Wakes awaiting jobs when a transfer's end event completes.
+        compute_stream: The stream the model writes KV on; default: the current stream of
+            the constructing thread (vLLM builds the worker in its model-runner thread).
+        use_triton: Force the Triton kernel for small pages on or off; default: on when the
+            host slots are pinned, Triton is importable, every page is below
+            ``triton_threshold`` and every address is 8-byte aligned.
+        triton_threshold: Page size from which the copy engine is used.
+        use_cudart: Issue copy-engine runs with ``cudaMemcpyAsync`` through ctypes (when
+            its self-test passes) rather than ``Tensor.copy_`` (several us per run more).
+    """
+
+    def __init__(
+        self,
+        kv: CanonicalKV,
+        host: HostSlots,
+        *,
+        block_size_factor: int = 1,
+        to_host: bool,
+        bridge: EventBridge,
+        compute_stream: torch.cuda.Stream | None = None,
+        use_triton: bool | None = None,
+        triton_threshold: int = DEFAULT_TRITON_THRESHOLD,
+        use_cudart: bool = True,
+    ) -> None:
+        import torch
+
+        if kv.device.type != "cuda":
+            raise ValueError(
+                f"CudaCopyHandler needs CUDA tensors, the KV caches are on {kv.device}"
+            )
+        super().__init__(kv, host, block_size_factor=block_size_factor, to_host=to_host)
+        self._device = kv.device
+        self._bridge = bridge
+        self._compute = compute_stream or torch.cuda.current_stream(self._device)
+        self._host_flat: torch.Tensor | None = host.flat()
+        self._storages = _DeviceStorages(kv)
+        self._use_triton = self._choose_triton(use_triton, triton_threshold)
+        self._memcpy = memcpy_async() if use_cudart else None
+        self._streams: list[torch.cuda.Stream] = []
+        self._events: list[torch.cuda.Event] = []
+        self._last_end: torch.cuda.Event | None = None
+        self._lock = threading.Lock()
+        log.debug(
+            "cuda copy handler ready",
+            direction="D2H" if to_host else "H2D",
+            device=str(self._device),
+            triton=self._use_triton,
+            cudart_memcpy=self._memcpy is not None,
+            pinned=host.pinned,
+        )
+
+    @property
+    def uses_triton(self) -> bool:
+        return self._use_triton
+
+    @property
+    def copy_engine_path(self) -> str:
+        """How copy-engine runs are issued: ``cudaMemcpyAsync`` or ``torch copy_``."""
+        return "cudaMemcpyAsync" if self._memcpy is not None else "torch copy_"
+
+    async def transfer(self, src: Spec, dst: Spec) -> TransferResult:
+        plan = self.plan(src, dst)
+        if len(plan) <= _INLINE_MAX_RUNS or self._use_triton:
+            flight = self._submit(plan)
+        else:
+            with anyio.CancelScope(shield=True):  # what is enqueued must be awaited below
+                flight = await anyio.to_thread.run_sync(self._submit, plan)
+        try:
+            await self._bridge.wait(flight.end)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(flight.end.synchronize)
+            self._recycle(flight)
+            raise
+        except Exception as exc:
+            raise TransferError(f"transfer failed on {self._device}: {exc}") from exc
+        return self._finish(flight)
+
+    def execute(self, src: Spec, dst: Spec) -> TransferResult:
+        flight = self._submit(self.plan(src, dst))
+        try:
+            flight.end.synchronize()
+        except Exception as exc:
+            raise TransferError(f"transfer failed on {self._device}: {exc}") from exc
+        return self._finish(flight)
+
+    def close(self) -> None:
+        """Wait for the last transfer, then release streams, events and host memory."""
+        with self._lock:
+            if self._last_end is not None:
+                self._last_end.synchronize()
+            self._last_end = None
+            self._streams.clear()
+            self._events.clear()
+            self._host_flat = None
+        super().close()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _choose_triton(self, use_triton: bool | None, threshold: int) -> bool:
+        from kernels.swap_blocks import triton_available
+
+        host = self._live_host()
+        aligned = _all_aligned(self._kv, self._layout, host)
+        small = max(self._kv.page_sizes) < threshold
+        if use_triton is None:
+            return host.pinned and triton_available() and small and aligned
+        if use_triton and not (host.pinned and triton_available() and aligned):
+            raise ValueError(
+                "the Triton path needs pinned host slots, Triton, and 8-byte aligned pages "
+                f"(pinned={host.pinned}, triton={triton_available()}, aligned={aligned})"
+            )
+        return use_triton
+
+    def _submit(self, plan: CopyPlan) -> _InFlight:
+        import torch
+
+        with self._lock:
+            stream = self._streams.pop() if self._streams else _new_stream(self._device)
+            start = self._events.pop() if self._events else _new_event()
+            end = self._events.pop() if self._events else _new_event()
+            stream.wait_stream(self._compute)
+            if self._last_end is not None:
+                stream.wait_event(self._last_end)
+            with torch.cuda.device(self._device), torch.cuda.stream(stream):
+                start.record(stream)
+                try:
+                    keepalive = self._enqueue(plan, stream)
+                except Exception as exc:
+                    end.record(stream)
+                    self._last_end = end
+                    end.synchronize()  # nothing enqueued may outlive the failed job
+                    raise TransferError(f"could not enqueue a transfer: {exc}") from exc
+                end.record(stream)
+                self._last_end = end
+        return _InFlight(stream, start, end, plan.total_bytes, keepalive)
+
+    def _enqueue(self, plan: CopyPlan, stream: torch.cuda.Stream) -> object:
+        from kernels.swap_blocks import MIN_JOBS, build_descriptors, launch_swap_blocks
+
+        if self._use_triton and len(plan) >= MIN_JOBS:
+            table = build_descriptors(plan.src, plan.dst, plan.size, pin_memory=True)
+            launch_swap_blocks(table, max_size=plan.max_size, device=self._device)
+            return table
+        if self._memcpy is not None:
+            memcpy, handle = self._memcpy, int(stream.cuda_stream)
+            runs = zip(plan.dst.tolist(), plan.src.tolist(), plan.size.tolist(), strict=True)
+            for dst, src, nbytes in runs:
+                memcpy(dst, src, nbytes, handle)
+        else:
+            self._torch_copies(plan)
+        return None
+
+    def _torch_copies(self, plan: CopyPlan) -> None:
+        host_flat = self._host_flat
+        host = self._live_host()
+        if host_flat is None:
+            raise RuntimeError("CudaCopyHandler is closed")
+        dev_addr, host_addr = (plan.src, plan.dst) if self._to_host else (plan.dst, plan.src)
+        which, dev_off = self._storages.locate(dev_addr)
+        host_off = (host_addr - host.address).tolist()
+        flats = self._storages.flats
+        runs = zip(which.tolist(), dev_off.tolist(), host_off, plan.size.tolist(), strict=True)
+        for index, d, h, n in runs:
+            device_bytes = flats[index][d : d + n]
+            host_bytes = host_flat[h : h + n]
+            if self._to_host:
+                host_bytes.copy_(device_bytes, non_blocking=True)
+            else:
+                device_bytes.copy_(host_bytes, non_blocking=True)
+
+    def _finish(self, flight: _InFlight) -> TransferResult:
+        seconds = flight.start.elapsed_time(flight.end) / 1e3
+        self._recycle(flight)
+        return TransferResult(flight.num_bytes, seconds)
+
+    def _recycle(self, flight: _InFlight) -> None:
+        with self._lock:
+            self._streams.append(flight.stream)
+            self._events.extend((flight.start, flight.end))
+
+
+class _DeviceStorages:
+    """The device allocations behind the views, as flat uint8 tensors, by address."""
+
+    def __init__(self, kv: CanonicalKV) -> None:
+        import torch
+
+        by_base: dict[int, torch.Tensor] = {}
+        for view in kv.views:
+            storage = view.tensor.untyped_storage()
+            base = int(storage.data_ptr())
+            if base not in by_base:
+                by_base[base] = torch.empty(0, dtype=torch.uint8, device=view.device).set_(
+                    storage, 0, (storage.nbytes(),), (1,)
+                )
+        self.bases = np.asarray(sorted(by_base), dtype=np.int64)
+        self.flats = [by_base[int(base)] for base in self.bases]
+
+    def locate(self, addresses: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], Any]:
+        which = np.searchsorted(self.bases, addresses, side="right") - 1
+        return which, addresses - self.bases[which]
+
+
+def _new_stream(device: torch.device) -> torch.cuda.Stream:
+    import torch
+
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+def _new_event() -> torch.cuda.Event:
+    import torch
+
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
+def _all_aligned(kv: CanonicalKV, layout: SlotLayout, host: HostSlots) -> bool:
+    values = [host.address, host.stride, *layout.offsets, *layout.page_sizes]
+    for view in kv.views:
+        values += [view.address, view.block_stride, *view.run_offsets.tolist()]
+        values += view.run_sizes.tolist()
+    return all(value % 8 == 0 for value in values)
+
+
+class TransferRouter:
+    """Routes a (src spec, dst spec) pair to the handler for its media.
+
+    Build it with `TransferRouter.create` from the canonical KV caches and the CPU tier's
+    memory; it owns the handlers (and the event bridge it made) and closes them.
+    """
+
+    def __init__(
+        self, handlers: Iterable[TransferHandler], *, bridge: EventBridge | None = None
+    ) -> None:
+        self._handlers: dict[tuple[Medium, Medium], TransferHandler] = {}
+        for handler in handlers:
+            key = (handler.src_medium, handler.dst_medium)
+            if key in self._handlers:
+                raise ValueError(f"two handlers for {key[0].value} -> {key[1].value}")
+            self._handlers[key] = handler
+        self._bridge = bridge
+
+    @classmethod
+    def create(
+        cls,
+        kv: CanonicalKV,
+        host: HostSlots | SharedRegion,
+        *,
+        block_size_factor: int = 1,
+        bridge_strategy: BridgeStrategy | str = BridgeStrategy.THREAD,
+        compute_stream: torch.cuda.Stream | None = None,
+        use_triton: bool | None = None,
+    ) -> TransferRouter:
+        """Store and load handlers for ``kv``'s device: host copies for CPU tensors, CUDA
+        copies (with an `EventBridge` of ``bridge_strategy``) for CUDA tensors."""
+        slots = host if isinstance(host, HostSlots) else HostSlots.from_region(host)
+        device = kv.device
+        if device.type == "cpu":
+            handlers: list[TransferHandler] = [
+                HostCopyHandler(kv, slots, block_size_factor=block_size_factor, to_host=flag)
+                for flag in (True, False)
+            ]
+            return cls(handlers)
+        if device.type != "cuda":
+            raise ValueError(f"no transfer handlers for KV caches on {device}")
+        bridge = EventBridge(bridge_strategy, name=str(device))
+        handlers = [
+            CudaCopyHandler(
+                kv,
+                slots,
+                block_size_factor=block_size_factor,
+                to_host=flag,
+                bridge=bridge,
+                compute_stream=compute_stream,
+                use_triton=use_triton,
+            )
+            for flag in (True, False)
+        ]
+        return cls(handlers, bridge=bridge)
+
+    def handler_for(self, src: Spec, dst: Spec) -> TransferHandler:
+        key = (src.medium, dst.medium)
+        try:
+            return self._handlers[key]
+        except KeyError:
+            raise ValueError(f"no handler for {key[0].value} -> {key[1].value}") from None
+
+    async def transfer(self, src: Spec, dst: Spec) -> TransferResult:
+        """Move ``src`` to ``dst`` as one job (see `TransferHandler.transfer`)."""
+        return await self.handler_for(src, dst).transfer(src, dst)
+
+    def execute(self, src: Spec, dst: Spec) -> TransferResult:
+        """`transfer` from a worker thread, blocking it."""
+        return self.handler_for(src, dst).execute(src, dst)
+
+    @property
+    def handlers(self) -> dict[tuple[Medium, Medium], TransferHandler]:
+        return dict(self._handlers)
+
+    def close(self) -> None:
+        """Close every handler (waiting for in-flight device copies) and the bridge."""
+        for handler in self._handlers.values():
+            handler.close()
+        if self._bridge is not None:
+            self._bridge.close()

@@ -1,0 +1,174 @@
+"""Host-memory batch copy: execute a `CopyPlan` between CPU buffers, GIL released.
+
+The path is picked once per process (`batch_copier`):
+
+* ``native``: a short C loop of ``memmove`` over the plan's arrays (joining runs that
+  continue each other, so plans need not be merged first), compiled on first
+  use with the system C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``) into a per-user
+  cache (``$KVTIER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtier_async``), as Triton builds
+  its launchers, and called through ctypes, which releases the GIL for the whole batch.
+* ``memmove``: a Python loop calling ``ctypes.memmove`` once per (merged) run. Each call
+  costs about 0.7 us of Python and ctypes here, as much as copying 8 KiB, so batches of
+  small scattered pages reach only a third of memcpy speed this way; from 256 KiB pages up
+  it is within 10%.
+
+Measured on this project's 2-core dev VM (glibc 2.36), 16 MiB batches of random 8 KiB
+pages against one contiguous ``memcpy`` of the same bytes, copy alone: native loop 0.91x,
+memmove loop 0.35x, numpy fancy indexing 0.25-0.44x, torch ``index_select`` 0.49x,
+``process_vm_readv`` scatter-gather 0.53x. End to end (``kvtier bench copy``, planning
+included): native 0.81-0.87x, memmove loop 0.39-0.41x; from 256 KiB pages up both reach
+0.8x. ``KVTIER_NATIVE_COPY=0`` forces the fallback.
+
+Copies are plain ``memmove``: a plan must not overlap itself; the plan builder bounds
+every address, nothing here checks them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier_async._log import get_logger
+
+from .plan import CopyPlan
+
+__all__ = [
+    "BatchCopier",
+    "batch_copier",
+    "copier_name",
+    "memmove_copier",
+    "merges_runs",
+    "native_copier",
+]
+
+log = get_logger(__name__)
+
+BatchCopier = Callable[[CopyPlan], None]
+
+_SOURCE: Final = r"""
+#include <stdint.h>
+#include <string.h>
+
+/* Copy n byte runs: size[i] bytes from address src[i] to address dst[i]. Runs that
+   continue the previous one on both sides are joined into one memmove. */
+void kvtier_batch_copy(const int64_t *src, const int64_t *dst, const int64_t *size,
+                       int64_t n) {
+    int64_t i = 0;
+    while (i < n) {
+        int64_t s = src[i], d = dst[i], k = size[i];
+        while (i + 1 < n && src[i + 1] == s + k && dst[i + 1] == d + k)
+            k += size[++i];
+        memmove((void *)(intptr_t)d, (const void *)(intptr_t)s, (size_t)k);
+        ++i;
+    }
+}
+"""
+_SYMBOL: Final = "kvtier_batch_copy"
+_COMPILE_TIMEOUT_S: Final = 120.0
+
+
+def memmove_copier(plan: CopyPlan) -> None:
+    """Copy ``plan`` with one ``ctypes.memmove`` per run (releases the GIL per call)."""
+    memmove = ctypes.memmove
+    runs = zip(plan.src.tolist(), plan.dst.tolist(), plan.size.tolist(), strict=True)
+    for src, dst, size in runs:
+        memmove(dst, src, size)
+
+
+@functools.cache
+def native_copier() -> BatchCopier | None:
+    """The compiled batch copy, or None when it is disabled or cannot be built."""
+    if os.environ.get("KVTIER_NATIVE_COPY", "1").strip().lower() in {"0", "false", "no", "off"}:
+        return None
+    try:
+        library = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        log.info("native batch copy unavailable; using a ctypes.memmove loop", error=str(exc))
+        return None
+    function = getattr(library, _SYMBOL)
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    function.restype = None
+
+    def copy(plan: CopyPlan) -> None:
+        src, dst, size = _int64(plan.src), _int64(plan.dst), _int64(plan.size)
+        if len(size):
+            function(src.ctypes.data, dst.ctypes.data, size.ctypes.data, len(size))
+
+    copy.__name__ = "native_copier"
+    return copy
+
+
+def merges_runs(copier: BatchCopier) -> bool:
+    """Whether ``copier`` joins continuing runs itself (so callers may skip merging)."""
+    return copier is native_copier() and copier is not None
+
+
+def batch_copier() -> BatchCopier:
+    """The process's batch copy: native if it can be had, else the memmove loop."""
+    return native_copier() or memmove_copier
+
+
+def copier_name(copier: BatchCopier) -> str:
+    """``native`` or ``memmove`` (for logs and benchmark output)."""
+    return "native" if copier is native_copier() and copier is not None else "memmove"
+
+
+def _int64(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """``array`` as contiguous int64, without a call when it already is (the usual case)."""
+    if array.dtype == np.int64 and array.flags.c_contiguous:
+        return array
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("KVTIER_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvtier_async"
+
+
+def _compiler() -> str:
+    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if candidate and shutil.which(candidate.split()[0]):
+            return candidate
+    raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
+
+
+def _build() -> Path:
+    """Compile the batch copy once per source version and machine; return the library."""
+    digest = hashlib.sha256(f"{_SOURCE}{platform.machine()}{sys.platform}".encode()).hexdigest()[
+        :16
+    ]
+    directory = _cache_dir()
+    target = directory / f"batch_copy_{digest}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    compiler = _compiler()
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        source = Path(scratch) / "batch_copy.c"
+        source.write_text(_SOURCE)
+        output = Path(scratch) / target.name
+        command = [*compiler.split(), "-O2", "-shared", "-fPIC", "-o", str(output), str(source)]
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[:500]}")
+        os.replace(output, target)  # atomic: concurrent builders race harmlessly
+    log.debug("built native batch copy", path=str(target))
+    return target

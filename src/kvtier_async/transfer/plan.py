@@ -1,0 +1,233 @@
+"""Copy plans: a transfer's specs turned into (source, destination, size) byte triples.
+
+`plan_transfer` maps a (GPUSpec, CPUSpec) pair onto addresses using the canonical views
+and the slot layout (`kvtier_async.transfer.canonical`), vectorised with numpy: one triple
+per page run, in group -> view -> block order so that neighbouring blocks of one view sit
+next to each other. `CopyPlan.merged` then joins triples that continue each other on both
+sides (consecutive block ids of a view whose pages are back to back, filling consecutive
+pages of a slot), so a batch of contiguous blocks becomes one copy.
+
+Every id is bounds-checked here, before any address is formed: the copy paths write raw
+memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier_async.ledger import CPUSpec, GPUSpec
+
+from .canonical import CanonicalKV, SlotLayout
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtier_async.memory import SharedRegion
+
+__all__ = ["CopyPlan", "HostSlots", "plan_transfer"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CopyPlan:
+    """Byte copies: ``size[i]`` bytes from address ``src[i]`` to address ``dst[i]``."""
+
+    src: IntArray
+    dst: IntArray
+    size: IntArray
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.size.sum())
+
+    @property
+    def max_size(self) -> int:
+        return int(self.size.max()) if len(self.size) else 0
+
+    def merged(self) -> CopyPlan:
+        """The same copies with each run of continuing triples joined into one."""
+        src, dst, size = self.src, self.dst, self.size
+        if len(size) <= 1:
+            return self
+        breaks = src[1:] != src[:-1] + size[:-1]
+        breaks |= dst[1:] != dst[:-1] + size[:-1]
+        (after,) = np.nonzero(breaks)
+        if len(after) == len(breaks):
+            return self  # nothing continues anything
+        starts = np.empty(len(after) + 1, dtype=np.int64)
+        starts[0] = 0
+        starts[1:] = after + 1
+        return CopyPlan(src[starts], dst[starts], np.add.reduceat(size, starts))
+
+    @classmethod
+    def empty(cls) -> CopyPlan:
+        none = np.empty(0, dtype=np.int64)
+        return cls(none, none, none)
+
+
+@dataclass(frozen=True, eq=False)
+class HostSlots:
+    """The CPU tier's slots as raw memory: slot ``s`` starts at ``address + s * stride``.
+
+    ``keepalive`` is a tensor over the slots; while it lives, the memory cannot be
+    unmapped (a `SharedRegion` refuses to close), so drop the handlers that hold this
+    before closing the region.
+    """
+
+    address: int
+    stride: int
+    num_slots: int
+    slot_bytes: int
+    pinned: bool
+    keepalive: torch.Tensor
+
+    @classmethod
+    def from_region(cls, region: SharedRegion) -> HostSlots:
+        """This worker's slots of a shared region (pinned if it is CUDA-registered)."""
+        tensor = region.torch()
+        return cls(
+            address=region.slot_address(0),
+            stride=region.row_bytes * region.num_workers,
+            num_slots=region.num_slots,
+            slot_bytes=region.slot_bytes,
+            pinned=region.is_cuda_registered,
+            keepalive=tensor,
+        )
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor, *, pinned: bool | None = None) -> HostSlots:
+        """Slots as the rows of a CPU ``(num_slots, slot_bytes)`` one-byte tensor."""
+        if tensor.dim() != 2 or tensor.element_size() != 1 or tensor.stride(1) != 1:
+            raise ValueError(
+                "host slots must be a 2-D one-byte tensor with contiguous rows, got shape "
+                f"{tuple(tensor.shape)}, strides {tensor.stride()}, dtype {tensor.dtype}"
+            )
+        if tensor.device.type != "cpu":
+            raise ValueError(f"host slots must be on the CPU, got {tensor.device}")
+        return cls(
+            address=int(tensor.data_ptr()),
+            stride=int(tensor.stride(0)),
+            num_slots=int(tensor.shape[0]),
+            slot_bytes=int(tensor.shape[1]),
+            pinned=bool(tensor.is_pinned()) if pinned is None else pinned,
+            keepalive=tensor,
+        )
+
+    @property
+    def span(self) -> int:
+        """Bytes from slot 0's first byte to the last slot's last byte."""
+        return (self.num_slots - 1) * self.stride + self.slot_bytes
+
+    def flat(self) -> torch.Tensor:
+        """A 1-D uint8 tensor over ``[address, address + span)`` (zero-copy)."""
+        import torch
+
+        base = self.keepalive
+        flat = torch.as_strided(base.view(torch.uint8), (self.span,), (1,))
+        if flat.data_ptr() != self.address:
+            raise RuntimeError("host slot view is not zero-copy")
+        return flat
+
+
+def plan_transfer(
+    kv: CanonicalKV,
+    layout: SlotLayout,
+    host: HostSlots,
+    gpu: GPUSpec,
+    cpu: CPUSpec,
+    *,
+    to_host: bool,
+) -> CopyPlan:
+    """The byte copies of one transfer between device blocks and host slots.
+
+    For group ``g`` with ``n`` GPU blocks and first-block index ``k``, GPU block ``i`` of
+    the group is logical page ``j = k % F + i`` of the group's slots: page ``j % F`` of slot
+    ``j // F``; the group takes ``ceil((k % F + n) / F)`` slots off the CPU spec, in order.
+
+    Raises:
+        ValueError: The specs do not match each other, the groups, or the id ranges.
+    """
+    if len(gpu.group_sizes) != len(kv.groups):
+        raise ValueError(
+            f"the GPU spec has {len(gpu.group_sizes)} groups, the KV caches {len(kv.groups)}"
+        )
+    block_ids = np.asarray(gpu.block_ids, dtype=np.int64).reshape(-1)  # no int32 overflow
+    slot_ids = np.asarray(cpu.slot_ids, dtype=np.int64).reshape(-1)
+    _check_ids("CPU slot id", slot_ids, host.num_slots)
+    factor = layout.factor
+    dev_parts: list[IntArray] = []
+    host_parts: list[IntArray] = []
+    size_parts: list[IntArray] = []
+    block_pos = slot_pos = 0
+    for group, (count, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices, strict=True)):
+        if count == 0:
+            continue
+        skip = first % factor
+        num_slots = -(-(skip + count) // factor)
+        if slot_pos + num_slots > len(slot_ids) or block_pos + count > len(block_ids):
+            break  # reported below
+        blocks = block_ids[block_pos : block_pos + count]
+        slots = slot_ids[slot_pos : slot_pos + num_slots]
+        if factor == 1:
+            slot_base, position = host.address + slots * host.stride, None
+        else:
+            logical = skip + np.arange(count, dtype=np.int64)
+            slot_base = host.address + slots[logical // factor] * host.stride
+            position = logical % factor
+        for index in kv.groups[group]:
+            view = kv.views[index]
+            _check_ids(f"GPU block id (group {group}, {view.name})", blocks, view.num_blocks)
+            dev = view.address + blocks * view.block_stride
+            hst = slot_base + layout.offsets[index]
+            if position is not None:
+                hst = hst + position * view.page_size
+            if view.is_contiguous_page:
+                dev_parts.append(dev)
+                host_parts.append(hst)
+                size_parts.append(np.full(count, view.page_size, dtype=np.int64))
+            else:
+                before = np.cumsum(view.run_sizes) - view.run_sizes
+                dev_parts.append((dev[:, None] + view.run_offsets[None, :]).ravel())
+                host_parts.append((hst[:, None] + before[None, :]).ravel())
+                size_parts.append(np.tile(view.run_sizes, count))
+        block_pos += count
+        slot_pos += num_slots
+    if block_pos != len(block_ids) or slot_pos != len(slot_ids):
+        raise ValueError(
+            f"specs do not match: group sizes {gpu.group_sizes} with block indices "
+            f"{gpu.block_indices} and factor {factor} need {_slots_needed(gpu, factor)} slots "
+            f"for {sum(gpu.group_sizes)} GPU blocks; got {len(slot_ids)} slots and "
+            f"{len(block_ids)} GPU blocks"
+        )
+    if not size_parts:
+        return CopyPlan.empty()
+    if len(size_parts) == 1:
+        dev_all, host_all, sizes = dev_parts[0], host_parts[0], size_parts[0]
+    else:
+        dev_all, host_all = np.concatenate(dev_parts), np.concatenate(host_parts)
+        sizes = np.concatenate(size_parts)
+    src, dst = (dev_all, host_all) if to_host else (host_all, dev_all)
+    return CopyPlan(src, dst, sizes)
+
+
+def _slots_needed(gpu: GPUSpec, factor: int) -> int:
+    return sum(
+        -(-(first % factor + count) // factor)
+        for count, first in zip(gpu.group_sizes, gpu.block_indices, strict=True)
+        if count
+    )
+
+
+def _check_ids(what: str, ids: npt.NDArray[Any], limit: int) -> None:
+    # One reduction: as unsigned, a negative id is larger than any limit.
+    if len(ids) and int(ids.astype(np.int64, copy=False).view(np.uint64).max()) >= limit:
+        bad = ids[(ids < 0) | (ids >= limit)]
+        raise ValueError(f"{what} {int(bad[0])} out of range [0, {limit})")
