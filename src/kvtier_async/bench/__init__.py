@@ -17,7 +17,11 @@ __all__ = ["BENCHMARKS", "BenchFn", "load"]
 
 BENCHMARKS: dict[str, str] = {
     "ledger": "kvtier_async.bench.ledger:run",
+    "copy": "kvtier_async.bench.copy:run",
+    "gpu": "kvtier_async.bench.gpu:run",
+    "engine": "kvtier_async.bench.engine:run",
     "fs": "kvtier_async.bench.fs:run",
+    "s3": "kvtier_async.bench.s3:run",
 }
 
 

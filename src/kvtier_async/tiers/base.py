@@ -22,6 +22,7 @@ only when the whole call failed (the engine then fails every key of the job).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -70,7 +71,7 @@ class TierContext:
         del fields["instance_id"], fields["rank"]
         return fields
 
-    @property
+    @functools.cached_property
     def namespace(self) -> str:
         """``<model>_<digest>``: a directory / object-prefix name, safe for any model name."""
         blob = json.dumps(self.namespace_fields(), sort_keys=True).encode()

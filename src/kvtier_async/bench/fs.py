@@ -1,0 +1,418 @@
+"""Benchmark ``fs``: the fs tier's store and load GB/s against parallel ``dd`` and vLLM's fs tier.
+
+For each block size (256 KiB, 2 MiB), about 1 GiB of blocks (``quick``: 128 MiB) moves between
+a shared CPU region in /dev/shm and a fresh directory on the real disk (``/var/tmp``, or
+``$KVTIER_BENCH_DIR``; never a tmpfs), three ways, in the same run:
+
+- ours: `FsTier` with 16 read and 16 write workers, driven as the engine does: 16 tasks,
+  each awaiting ``store`` / ``load`` of jobs of `JOB_BLOCKS` blocks.
+- ``dd``: 16 parallel ``dd`` processes, ``oflag=direct`` / ``iflag=direct``, same block size
+  and total, one file each: the disk's sequential direct-I/O ceiling (no file creation).
+- vLLM 0.33 (when importable): ``tiering/fs/io.py``'s ``batch_store_block`` /
+  ``batch_load_block`` run by its ``DualQueueThreadPool(16, 16)``, one task per job of
+  `JOB_BLOCKS` blocks, as ``FileSystemTierManager.submit_store`` / ``submit_load`` enqueue
+  them, with its own ``probe_o_direct`` and file layout. Its C extension ``fs_io_C`` is used
+  when it loads (the report says which).
+
+The three alternate within each repetition (rotating who goes first), and each figure is the
+median of `REPEATS` (a noisy virtual disk, shared with other processes). Every write phase
+ends with ``sync()`` outside the timing, and files are deleted only after each block size
+(see `_fresh_dir`). Loads are checked
+byte for byte on a sample of blocks, and ``fincore`` checks that our files are not in the page
+cache after the store phase (O_DIRECT really used). Figures are payload bytes per second
+(1 GB = 1e9 bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from kvtier_async.ledger import make_offload_key
+from kvtier_async.memory import SharedRegion
+from kvtier_async.tiers._checksum import checksum
+from kvtier_async.tiers.base import TierContext
+from kvtier_async.tiers.fs import FsTier
+
+from .report import BenchRecord, throughput_record
+
+__all__ = ["JOB_BLOCKS", "REPEATS", "STREAMS", "run"]
+
+STREAMS = 16  # dd processes, tier workers each way, vLLM threads each way
+JOB_BLOCKS = 16  # blocks per store / load call (one engine job)
+REPEATS = 5
+BLOCK_SIZES = (256 << 10, 2 << 20)
+TOTAL_BYTES = 1 << 30
+QUICK_TOTAL_BYTES = 128 << 20
+DD_TARGET = 0.9
+VLLM_TARGET = 1.2
+DD_NAME = f"{STREAMS} parallel dd, oflag/iflag=direct"
+_GB = 1e9
+
+
+@dataclass
+class _Samples:
+    """GB/s of each side and direction over the repetitions."""
+
+    values: dict[str, list[float]]
+
+    def add(self, name: str, gbps: float | None) -> None:
+        if gbps is not None:
+            self.values.setdefault(name, []).append(gbps)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.values[name])
+
+
+def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRecord]:
+    note = progress or (lambda _msg: None)
+    total = QUICK_TOTAL_BYTES if quick else TOTAL_BYTES
+    repeats = 1 if quick else REPEATS
+    vllm = _VllmFs.load()
+    records: list[BenchRecord] = []
+    with _workdir() as workdir:
+        note(f"fs: working in {workdir} ({_fs_type(workdir)})")
+        for block_bytes in BLOCK_SIZES:
+            size_dir = tempfile.mkdtemp(dir=workdir)
+            records += _run_size(size_dir, block_bytes, total, repeats, vllm, note)
+            shutil.rmtree(size_dir, ignore_errors=True)
+    return records
+
+
+def _run_size(
+    workdir: str,
+    block_bytes: int,
+    total: int,
+    repeats: int,
+    vllm: _VllmFs | None,
+    note: Callable[[str], None],
+) -> list[BenchRecord]:
+    count = total // block_bytes
+    label = _size_label(block_bytes)
+    samples = _Samples({})
+    with _filled_region(count, block_bytes) as region:
+        keys = [make_offload_key(random.randbytes(32), 0) for _ in range(count)]
+        expected = {i: checksum(region.slot_view(i)) for i in _sample(count)}
+        mode = ""
+        for rep in range(repeats):
+            note(f"fs: {label} repetition {rep + 1}/{repeats}")
+            for name, (w, r) in _one_round(workdir, region, keys, vllm, rep).items():
+                samples.add(f"{name} store", w)
+                samples.add(f"{name} load", r)
+            mode = _check_ours(region, expected, note)
+    return _records(label, samples, mode, vllm)
+
+
+def _one_round(
+    workdir: str, region: SharedRegion, keys: Sequence[bytes], vllm: _VllmFs | None, rep: int
+) -> dict[str, tuple[float | None, float | None]]:
+    """Each side once, in an order rotated by ``rep``, each in a fresh directory."""
+    block_bytes, total = region.slot_bytes, len(keys) * region.slot_bytes
+    sides: dict[str, Callable[[str], tuple[float | None, float | None]]] = {
+        "dd": lambda directory: _dd(directory, block_bytes, total),
+        "ours": lambda directory: anyio.run(_ours, directory, region, keys),
+    }
+    if vllm is not None:
+        sides["vllm"] = lambda directory: vllm.measure(directory, region, keys)
+    names = list(sides)
+    names = names[rep % len(names) :] + names[: rep % len(names)]
+    return {name: sides[name](_fresh_dir(workdir, name)) for name in names}
+
+
+def _records(label: str, samples: _Samples, mode: str, vllm: _VllmFs | None) -> list[BenchRecord]:
+    records = []
+    for direction in ("store", "load"):
+        ours = samples.median(f"ours {direction}")
+        case = f"{direction} {label} {mode}"
+        records.append(
+            throughput_record(
+                "fs",
+                case,
+                "GB/s",
+                ours,
+                reference=samples.median(f"dd {direction}"),
+                reference_name=DD_NAME,
+                target=DD_TARGET,
+            )
+        )
+        if vllm is not None:
+            records.append(
+                throughput_record(
+                    "fs",
+                    f"{case} vs vllm",
+                    "GB/s",
+                    ours,
+                    reference=samples.median(f"vllm {direction}"),
+                    reference_name=vllm.name,
+                    target=VLLM_TARGET,
+                )
+            )
+    return records
+
+
+# -- ours ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _OursNotes:
+    """What the last run of ours saw: the tier's ``detail`` and our files' page-cache bytes."""
+
+    detail: str = ""
+    cached_bytes: int = -1
+
+
+_notes = _OursNotes()
+
+
+async def _ours(directory: str, region: SharedRegion, keys: Sequence[bytes]) -> tuple[float, float]:
+    ctx = TierContext(block_bytes=region.slot_bytes)
+    tier = FsTier("bench", ctx, STREAMS, STREAMS, root_dir=directory)
+    await tier.open()
+    try:
+        views = [region.slot_view(i) for i in range(len(keys))]
+        write_s = await _drive(tier.store, keys, views)
+        await anyio.to_thread.run_sync(os.sync)
+        _notes.cached_bytes = await anyio.to_thread.run_sync(_cached_bytes, directory)
+        _scribble(views)
+        read_s = await _drive(tier.load, keys, views)
+        _notes.detail = tier.statistics().detail
+        del views
+    finally:
+        await tier.aclose()
+    total = len(keys) * region.slot_bytes
+    return total / write_s / _GB, total / read_s / _GB
+
+
+async def _drive(
+    call: Callable[[Sequence[bytes], Sequence[memoryview]], Any],
+    keys: Sequence[bytes],
+    views: Sequence[memoryview],
+) -> float:
+    """Seconds for STREAMS tasks to push every job of JOB_BLOCKS blocks through ``call``."""
+    jobs = iter(range(0, len(keys), JOB_BLOCKS))
+    failures: list[int] = []
+
+    async def worker() -> None:
+        for start in jobs:
+            stop = start + JOB_BLOCKS
+            ok = await call(keys[start:stop], views[start:stop])
+            failures.extend(i for i, good in enumerate(ok, start) if not good)
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(STREAMS):
+            tg.start_soon(worker)
+    elapsed = time.perf_counter() - started
+    if failures:
+        raise RuntimeError(f"fs bench: {len(failures)} blocks failed, first {failures[0]}")
+    return elapsed
+
+
+def _check_ours(region: SharedRegion, expected: dict[int, int], note: Callable[[str], None]) -> str:
+    """Verify the sampled slots after our load; return the I/O mode for the case names."""
+    bad = [i for i, value in expected.items() if checksum(region.slot_view(i)) != value]
+    if bad:
+        raise RuntimeError(f"fs bench: loaded blocks differ from stored ones: slots {bad[:5]}")
+    detail, cached = _notes.detail, _notes.cached_bytes
+    cache = "not checked (no fincore)" if cached < 0 else f"{cached} bytes"
+    note(f"fs: ours: {detail}; our files in the page cache after the store: {cache}")
+    direct = "io=O_DIRECT" in detail
+    if direct and cached > 0:
+        note("fs: WARNING: our files are in the page cache although O_DIRECT is reported")
+    return "O_DIRECT" if direct else "buffered"
+
+
+# -- dd --------------------------------------------------------------------------------------
+
+
+def _dd(directory: str, block_bytes: int, total: int) -> tuple[float, float]:
+    count = total // block_bytes // STREAMS
+    files = [os.path.join(directory, f"dd{i}") for i in range(STREAMS)]
+    bs = f"bs={block_bytes}"
+    write_s = _parallel(
+        [["dd", "if=/dev/zero", f"of={f}", bs, f"count={count}", "oflag=direct"] for f in files]
+    )
+    os.sync()
+    read_s = _parallel([["dd", f"if={f}", "of=/dev/null", bs, "iflag=direct"] for f in files])
+    moved = count * STREAMS * block_bytes
+    return moved / write_s / _GB, moved / read_s / _GB
+
+
+def _parallel(commands: Sequence[Sequence[str]]) -> float:
+    started = time.perf_counter()
+    procs = [subprocess.Popen([*cmd, "status=none"]) for cmd in commands]
+    codes = [proc.wait() for proc in procs]
+    elapsed = time.perf_counter() - started
+    if any(codes):
+        raise RuntimeError(f"fs bench: dd failed with exit codes {codes}")
+    return elapsed
+
+
+# -- vLLM ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _VllmFs:
+    io: Any
+    pool_type: Any
+    name: str
+
+    @classmethod
+    def load(cls) -> _VllmFs | None:
+        try:
+            from vllm.v1.kv_offload.tiering.fs import io
+            from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
+        except ImportError:
+            return None
+        path = "C fs_io_C" if io._HAS_FSIO_C else "Python, fs_io_C unavailable"
+        name = f"vllm-0.33 tiering/fs io.py ({path}) + DualQueueThreadPool({STREAMS},{STREAMS})"
+        return cls(io, DualQueueThreadPool, name)
+
+    def measure(
+        self, directory: str, region: SharedRegion, keys: Sequence[bytes]
+    ) -> tuple[float, float]:
+        direct = bool(self.io.probe_o_direct(directory))
+        view = region.rows.cast("B")
+        row = region.row_bytes
+        jobs = [
+            ([_vllm_path(directory, k) for k in keys[s : s + JOB_BLOCKS]],
+             [i * row for i in range(s, min(s + JOB_BLOCKS, len(keys)))])
+            for s in range(0, len(keys), JOB_BLOCKS)
+        ]  # fmt: skip
+        pool = self.pool_type(STREAMS, STREAMS, thread_name_prefix="bench_vllm_fs")
+        try:
+            store = functools.partial(self.io.batch_store_block, block_size=region.slot_bytes)
+            write_s = _run_pool(pool, pool.enqueue_store, store, view, jobs, direct)
+            os.sync()
+            load = functools.partial(self.io.batch_load_block, block_size=region.slot_bytes)
+            read_s = _run_pool(pool, pool.enqueue_load, load, view, jobs, direct)
+        finally:
+            pool.shutdown(wait=True)
+            view.release()
+        total = len(keys) * region.slot_bytes
+        return total / write_s / _GB, total / read_s / _GB
+
+
+def _vllm_path(directory: str, key: bytes) -> str:
+    """vLLM's FileMapper layout: ``<base>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin``."""
+    hash_hex, group = key[:-4].hex(), int.from_bytes(key[-4:], "big")
+    return (
+        f"{directory}/model_000000000000_r0/{hash_hex[:3]}/{hash_hex[3:5]}_g{group}/{hash_hex}.bin"
+    )
+
+
+def _run_pool(
+    pool: Any,
+    enqueue: Callable[..., None],
+    fn: Callable[..., None],
+    view: memoryview,
+    jobs: Sequence[tuple[list[str], list[int]]],
+    direct: bool,
+) -> float:
+    started = time.perf_counter()
+    for job_id, (paths, offsets) in enumerate(jobs):
+        task = functools.partial(fn, paths, view, offsets, use_o_direct=direct)
+        enqueue(job_id, 1, [task])
+    pool.wait_idle()
+    elapsed = time.perf_counter() - started
+    failed = [job for job, ok, _t in pool.get_finished() if not ok]
+    if failed:
+        raise RuntimeError(f"fs bench: vLLM jobs failed: {failed[:5]}")
+    return elapsed
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _workdir() -> Iterator[str]:
+    base = os.environ.get("KVTIER_BENCH_DIR", "/var/tmp")
+    path = tempfile.mkdtemp(prefix="kvtier-bench-fs-", dir=base)
+    try:
+        if _fs_type(path) in ("tmpfs", "ramfs"):
+            raise RuntimeError(f"fs bench needs a real disk, {base} is {_fs_type(path)}")
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _fresh_dir(workdir: str, name: str) -> str:
+    """A new directory; nothing is deleted before the end of the run, since ext4 allocates
+    inodes slowly for minutes after mass deletes, which would slow whoever runs next."""
+    return tempfile.mkdtemp(prefix=f"{name}-", dir=workdir)
+
+
+@contextlib.contextmanager
+def _filled_region(count: int, block_bytes: int) -> Iterator[SharedRegion]:
+    region = SharedRegion(f"bench-fs-{uuid.uuid4().hex[:12]}", count, block_bytes)
+    try:
+        pattern = random.randbytes(1 << 20)
+        for i in range(count):
+            view = region.slot_view(i)
+            for offset in range(0, block_bytes, len(pattern)):
+                chunk = min(len(pattern), block_bytes - offset)
+                view[offset : offset + chunk] = pattern[:chunk]
+            view[:8] = i.to_bytes(8, "little")  # every block differs
+            del view
+        yield region
+    finally:
+        region.close()
+
+
+def _scribble(views: Sequence[memoryview]) -> None:
+    """Overwrite each block's first bytes, so a load that did nothing fails the check."""
+    for view in views:
+        view[:8] = b"\xff" * 8
+
+
+def _sample(count: int) -> list[int]:
+    return sorted({0, count - 1, *random.sample(range(count), min(count, 64))})
+
+
+def _size_label(block_bytes: int) -> str:
+    return f"{block_bytes >> 20}MiB" if block_bytes >= 1 << 20 else f"{block_bytes >> 10}KiB"
+
+
+def _fs_type(path: str) -> str:
+    """The file system type of the mount holding ``path`` (from /proc/self/mounts)."""
+    best, kind = "", "unknown"
+    real = os.path.realpath(path)
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            mount = fields[1]
+            inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best):
+                best, kind = mount, fields[2]
+    return kind
+
+
+def _cached_bytes(directory: str) -> int:
+    """Bytes of the ``.bin`` files under ``directory`` resident in the page cache (fincore);
+    -1 when ``fincore`` is unavailable."""
+    files = [
+        os.path.join(d, name) for d, _, names in os.walk(directory) for name in names
+        if name.endswith(".bin")
+    ][:512]  # fmt: skip
+    if not files or shutil.which("fincore") is None:
+        return -1
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *files],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return sum(int(v) for v in out.stdout.split() if v.isdigit())

@@ -1,0 +1,143 @@
+"""Helpers for the obj (S3) tier tests: blocks, keys, clients, a fake clock, fault injection.
+
+Page-aligned blocks, a fake clock for the circuit breaker, and botocore event hooks that
+inject error answers and count requests. Tiers are opened in test bodies (`opened`), not
+across a fixture's ``yield``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aioboto3
+from aiobotocore.awsrequest import AioAWSResponse
+
+from kvtier_async.ledger import make_offload_key
+from kvtier_async.testing.s3server import MotoS3Server
+from kvtier_async.tiers.base import SecondaryTier
+
+
+def make_blocks(count: int, size: int, *, seed: int = 0) -> list[memoryview]:
+    """``count`` page-aligned blocks of ``size`` random bytes, each in its own mapping row."""
+    row = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    mapping = memoryview(mmap.mmap(-1, count * row))
+    blocks = [mapping[i * row : i * row + size] for i in range(count)]
+    rng = random.Random(seed)
+    for block in blocks:
+        block[:] = rng.randbytes(size)
+    return blocks
+
+
+def make_keys(count: int, *, group: int = 0) -> list[bytes]:
+    return [make_offload_key(os.urandom(32), group) for _ in range(count)]
+
+
+@asynccontextmanager
+async def opened(tier: SecondaryTier) -> AsyncIterator[SecondaryTier]:
+    """``tier``, opened, and closed at the end."""
+    await tier.open()
+    try:
+        yield tier
+    finally:
+        await tier.aclose()
+
+
+@asynccontextmanager
+async def raw_client(server: MotoS3Server, service: str = "s3") -> AsyncIterator[Any]:
+    """A plain aiobotocore client on ``server``, outside any tier."""
+    session = aioboto3.Session(
+        aws_access_key_id=server.access_key,
+        aws_secret_access_key=server.secret_key,
+        region_name=server.region,
+    )
+    async with session.client(service, endpoint_url=server.endpoint) as client:
+        yield client
+
+
+class FakeClock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class _Body:
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    async def read(self) -> bytes:
+        return self._data
+
+
+def error_response(request: Any, status: int, code: str) -> AioAWSResponse:
+    """An S3 error answer, as if the server had sent it."""
+    xml = f"<Error><Code>{code}</Code><Message>injected {code}</Message></Error>"
+    headers = {"content-type": "application/xml"}
+    return AioAWSResponse(request.url, status, headers, _Body(xml.encode()))
+
+
+@dataclass(eq=False)
+class Injector:
+    """Answers the next ``count`` matching requests with ``status``/``code`` instead of
+    sending them; counts what it saw."""
+
+    status: int
+    code: str
+    count: int
+    only_conditional: bool = False
+    injected: int = 0
+    seen: int = 0
+
+    def __call__(self, request: Any, **_: Any) -> AioAWSResponse | None:
+        if self.only_conditional and "If-None-Match" not in request.headers:
+            return None
+        self.seen += 1
+        if self.injected >= self.count:
+            return None
+        self.injected += 1
+        return error_response(request, self.status, self.code)
+
+
+@dataclass(eq=False)
+class RequestLog:
+    """Counts requests per operation (``before-send``) and answers (``after-call``)."""
+
+    sent: dict[str, int] = field(default_factory=dict)
+    statuses: list[tuple[str, int]] = field(default_factory=list)
+    in_flight: int = 0
+    peak: int = 0
+
+    def attach(self, client: Any) -> RequestLog:
+        client.meta.events.register("before-send.s3", self._before_send)
+        client.meta.events.register("after-call.s3", self._after_call)
+        client.meta.events.register("after-call-error.s3", self._after_error)
+        return self
+
+    def _before_send(self, request: Any, **kwargs: Any) -> None:
+        operation = kwargs["event_name"].rsplit(".", 1)[-1]
+        self.sent[operation] = self.sent.get(operation, 0) + 1
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+
+    def _after_call(self, http_response: Any, model: Any, **_: Any) -> None:
+        self.in_flight -= 1
+        self.statuses.append((model.name, http_response.status_code))
+
+    def _after_error(self, **_: Any) -> None:
+        self.in_flight -= 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.sent.values())

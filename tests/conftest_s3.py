@@ -1,0 +1,39 @@
+"""Fixtures for the obj (S3) tier tests, loaded with ``pytest_plugins = ["conftest_s3"]``.
+
+A session-wide moto S3 server on 127.0.0.1 (real HTTP), a fresh bucket per test, and a server
+of a test's own to stop and restart. Helpers are in `_s3`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from kvtier_async.testing.s3server import MotoS3Server
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[MotoS3Server]:
+    """moto's S3 server, in this process, for the whole session."""
+    with MotoS3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(moto_s3: MotoS3Server) -> str:
+    """A new, empty bucket on `moto_s3`."""
+    name = f"kvtier-{uuid.uuid4().hex[:12]}"
+    moto_s3.create_bucket(name)
+    return name
+
+
+@pytest.fixture
+def own_moto_s3() -> Iterator[MotoS3Server]:
+    """A moto server of this test's own, free to stop and restart."""
+    server = MotoS3Server().start()
+    try:
+        yield server
+    finally:
+        server.stop()

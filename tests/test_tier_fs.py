@@ -1,0 +1,843 @@
+"""The fs tier on real file systems: a disk directory (O_DIRECT) and /dev/shm (tmpfs).
+
+Block memory comes from a real `SharedRegion`, so O_DIRECT reads and writes hit page-aligned
+slots as in production. Faults are real where the machine allows (a directory squatting a block
+path, a size-limited tmpfs mount, dead processes) and injected through the module's syscall
+seams (``fs._open``, ``fs._pwritev``, ``fs._preadv``) otherwise. Multiprocess tests use the
+spawn context and coordinate with barriers and events; their timeouts only keep a broken test
+from hanging, they never order anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import mmap
+import multiprocessing
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from multiprocessing.synchronize import Barrier, Event
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+import pytest
+from blockbuster import blockbuster_ctx
+
+from kvtier_async.config import ConfigError
+from kvtier_async.ledger import make_offload_key
+from kvtier_async.memory import RegionInUseError, SharedRegion
+from kvtier_async.tiers import fs
+from kvtier_async.tiers.base import TierContext, block_relpath, make_tier
+from kvtier_async.tiers.fs import HEADER_BYTES, FsTier
+
+CTX = multiprocessing.get_context("spawn")
+WAIT_S = 60.0  # fail-safe only
+DISK = Path("/var/tmp")
+SHM = Path("/dev/shm")
+PAGE = mmap.PAGESIZE
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(autouse=True)
+def no_blocking_calls() -> Iterator[None]:
+    """Fail any blocking call that the fs tier makes on the asyncio event loop."""
+    with blockbuster_ctx("kvtier_async.tiers.fs"):
+        yield
+
+
+def _private_dir(parent: Path) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="kvtier-fs-test-", dir=parent))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def disk_dir() -> Iterator[Path]:
+    """A directory on the real disk, where O_DIRECT works."""
+    yield from _private_dir(DISK)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A directory on tmpfs."""
+    yield from _private_dir(SHM)
+
+
+class Slots:
+    """Page-aligned block memory from real shared regions, closed at teardown."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.regions: list[SharedRegion] = []
+
+    def make(self, count: int, block_bytes: int, *, fill: bool = True) -> list[memoryview]:
+        if count == 0:
+            return []
+        region = SharedRegion(f"t{uuid.uuid4().hex}", count, block_bytes, directory=self.directory)
+        self.regions.append(region)
+        views = [region.slot_view(i) for i in range(count)]
+        if fill:
+            for view in views:
+                view[:] = os.urandom(block_bytes)
+        return views
+
+    def close(self) -> None:
+        for region in self.regions:
+            with contextlib.suppress(RegionInUseError):
+                region.close()
+
+
+@pytest.fixture
+def slots() -> Iterator[Slots]:
+    with contextlib.ExitStack() as stack:
+        directory = Path(tempfile.mkdtemp(prefix="kvtier-fs-slots-", dir=SHM))
+        stack.callback(shutil.rmtree, directory, ignore_errors=True)
+        holder = Slots(directory)
+        stack.callback(holder.close)
+        yield holder
+
+
+def keys_for(count: int, group: int = 0) -> list[bytes]:
+    return [make_offload_key(os.urandom(32), group) for _ in range(count)]
+
+
+def new_tier(root: Path, block_bytes: int = PAGE, **kwargs: Any) -> FsTier:
+    ctx = kwargs.pop("ctx", None) or TierContext(block_bytes=block_bytes)
+    return FsTier("fs-test", ctx, 4, 4, root_dir=root, **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def opened(tier: FsTier) -> AsyncIterator[FsTier]:
+    await tier.open()
+    try:
+        yield tier
+    finally:
+        await tier.aclose()
+
+
+def block_path(tier: FsTier, key: bytes) -> Path:
+    return Path(tier.root_dir) / block_relpath(tier.ctx, key)
+
+
+def snapshot(views: Sequence[memoryview]) -> list[bytes]:
+    return [bytes(view) for view in views]
+
+
+def wipe(views: Sequence[memoryview]) -> None:
+    for view in views:
+        view[:] = bytes(len(view))
+
+
+def files_under(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def temp_files(root: Path) -> list[Path]:
+    return [p for p in files_under(root) if p.name.endswith(".tmp")]
+
+
+def refuse_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every O_DIRECT open fail with EINVAL, as older tmpfs and overlayfs do."""
+    real_open = fs._open
+
+    def open_without_direct(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT refused (test)", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(fs, "_open", open_without_direct)
+
+
+def use_publish(monkeypatch: pytest.MonkeyPatch, publish: str) -> None:
+    """Make the tier publish new files with ``publish`` (see `fs.PUBLISH_ORDER`)."""
+    monkeypatch.setattr(fs, "PUBLISH_ORDER", (publish,))
+
+
+PUBLISH_MODES = ["rename", "linkat", "proc-linkat"]
+
+
+# -- round trips -----------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("count", [0, 1, 2, 5])
+@pytest.mark.parametrize("block_bytes", [PAGE, 3 * PAGE, 64 << 10, 5000])
+async def test_round_trip_is_byte_exact(
+    disk_dir: Path, slots: Slots, count: int, block_bytes: int
+) -> None:
+    keys, views = keys_for(count), slots.make(count, block_bytes)
+    stored = snapshot(views)
+    async with opened(new_tier(disk_dir, block_bytes)) as tier:
+        assert await tier.store(keys, views) == [True] * count
+        assert await tier.lookup(keys) == [True] * count
+        wipe(views)
+        assert await tier.load(keys, views) == [True] * count
+        assert snapshot(views) == stored
+        stats = tier.statistics()
+    assert (stats.blocks_stored, stats.blocks_loaded) == (count, count)
+    assert (stats.bytes_written, stats.bytes_read) == (count * block_bytes,) * 2
+    assert (stats.store_failures, stats.load_failures) == (0, 0)
+    assert (stats.lookups, stats.lookup_hits) == (count, count)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("publish", PUBLISH_MODES)
+async def test_disk_directory_uses_o_direct_for_loads_and_stores(
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, publish: str
+) -> None:
+    use_publish(monkeypatch, publish)
+    flags_seen: list[int] = []
+    real_open = fs._open
+
+    def recording_open(path: Any, flags: int, *args: Any) -> int:
+        flags_seen.append(flags)
+        return real_open(path, flags, *args)
+
+    keys, views = keys_for(3), slots.make(3, 2 * PAGE)
+    async with opened(new_tier(disk_dir, 2 * PAGE)) as tier:
+        if "io=O_DIRECT" not in tier.statistics().detail:
+            pytest.skip(f"{DISK} refuses O_DIRECT here")
+        monkeypatch.setattr(fs, "_open", recording_open)
+        assert await tier.store(keys, views) == [True] * 3
+        assert await tier.load(keys, views) == [True] * 3
+    assert len(flags_seen) == 6
+    assert all(flags & os.O_DIRECT for flags in flags_seen)
+
+
+@pytest.mark.anyio
+async def test_unaligned_and_read_only_memory(disk_dir: Path, slots: Slots) -> None:
+    block_bytes = 2 * PAGE
+    keys = keys_for(3)
+    store_buf, load_buf = bytearray(os.urandom(block_bytes + 1)), bytearray(block_bytes + 1)
+    (aligned,) = slots.make(1, block_bytes)
+    async with opened(new_tier(disk_dir, block_bytes)) as tier:
+        unaligned = memoryview(store_buf)[1:]  # one byte off any page boundary: buffered
+        read_only = memoryview(bytes(store_buf[1:]))  # bytes: read-only, any alignment
+        aligned_read_only = aligned.toreadonly()  # page-aligned and read-only: O_DIRECT
+        sources = [unaligned, read_only, aligned_read_only]
+        assert await tier.store(keys, sources) == [True] * 3
+        target = memoryview(load_buf)[1:]
+        for key, source in zip(keys, sources, strict=True):
+            assert await tier.load([key], [target]) == [True]
+            assert bytes(target) == bytes(source)
+        del unaligned, read_only, aligned_read_only, sources, target
+
+
+@pytest.mark.anyio
+async def test_tmpfs_round_trip(shm_dir: Path, slots: Slots) -> None:
+    keys, views = keys_for(5), slots.make(5, 2 * PAGE)
+    stored = snapshot(views)
+    async with opened(new_tier(shm_dir, 2 * PAGE)) as tier:
+        assert await tier.store(keys, views) == [True] * 5
+        wipe(views)
+        assert await tier.load(keys, views) == [True] * 5
+    assert snapshot(views) == stored
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("publish", PUBLISH_MODES)
+async def test_buffered_path_when_o_direct_is_refused(
+    shm_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, publish: str
+) -> None:
+    refuse_o_direct(monkeypatch)
+    use_publish(monkeypatch, publish)
+    keys, views = keys_for(5), slots.make(5, 2 * PAGE)
+    stored = snapshot(views)
+    async with opened(new_tier(shm_dir, 2 * PAGE)) as tier:
+        detail = tier.statistics().detail
+        assert "io=buffered" in detail
+        assert await tier.store(keys, views) == [True] * 5
+        wipe(views)
+        assert await tier.load(keys, views) == [True] * 5
+    assert snapshot(views) == stored
+    assert f"publish={publish}" in detail or "publish=rename" in detail  # linkat may be refused
+    assert temp_files(shm_dir) == []
+
+
+# -- damaged, missing and unreadable files ---------------------------------------------------
+
+
+async def _stored_block(tier: FsTier, slots: Slots) -> tuple[bytes, memoryview, Path]:
+    (key,), (view,) = keys_for(1), slots.make(1, tier.ctx.block_bytes)
+    assert await tier.store([key], [view]) == [True]
+    return key, view, block_path(tier, key)
+
+
+async def _assert_fails_and_is_gone(tier: FsTier, key: bytes, view: memoryview, path: Path) -> None:
+    assert await tier.load([key], [view]) == [False]
+    assert not path.exists()
+    assert await tier.lookup([key]) == [False]
+    assert tier.statistics().load_failures == 1
+
+
+@pytest.mark.anyio
+async def test_truncated_file_fails_and_is_deleted(disk_dir: Path, slots: Slots) -> None:
+    async with opened(new_tier(disk_dir, 4 * PAGE)) as tier:
+        key, view, path = await _stored_block(tier, slots)
+        os.truncate(path, HEADER_BYTES + 100)
+        await _assert_fails_and_is_gone(tier, key, view, path)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "offset",
+    [
+        0,  # magic
+        9,  # format version
+        16,  # payload length
+        24,  # payload checksum
+        32,  # key checksum
+        200,  # padding, covered by the header checksum
+        HEADER_BYTES - 1,  # the header checksum itself
+        HEADER_BYTES,  # first payload byte
+        HEADER_BYTES + 2 * PAGE + 7,  # middle
+        HEADER_BYTES + 4 * PAGE - 1,  # last payload byte
+    ],
+)
+async def test_flipped_byte_fails_and_is_deleted(disk_dir: Path, slots: Slots, offset: int) -> None:
+    async with opened(new_tier(disk_dir, 4 * PAGE)) as tier:
+        key, view, path = await _stored_block(tier, slots)
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)[0]
+            f.seek(offset)
+            f.write(bytes([byte ^ 0x01]))
+        await _assert_fails_and_is_gone(tier, key, view, path)
+
+
+@pytest.mark.anyio
+async def test_file_of_another_key_fails(disk_dir: Path, slots: Slots) -> None:
+    async with opened(new_tier(disk_dir, PAGE)) as tier:
+        key, view, path = await _stored_block(tier, slots)
+        (other,) = keys_for(1)
+        other_path = block_path(tier, other)
+        other_path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, other_path)
+        assert await tier.lookup([other]) == [True]  # same size: only a load can tell
+        await _assert_fails_and_is_gone(tier, other, view, other_path)
+        assert await tier.load([key], [view]) == [True]
+
+
+@pytest.mark.anyio
+async def test_missing_file_is_a_plain_miss(disk_dir: Path, slots: Slots) -> None:
+    (key,), (view,) = keys_for(1), slots.make(1, PAGE)
+    async with opened(new_tier(disk_dir)) as tier:
+        assert await tier.lookup([key]) == [False]
+        assert await tier.load([key], [view]) == [False]
+        assert tier.statistics().load_failures == 1
+
+
+@pytest.mark.anyio
+async def test_directory_in_place_of_a_block_is_unreadable_and_removed(
+    disk_dir: Path, slots: Slots
+) -> None:
+    # Root ignores file modes, so a directory stands in for an unreadable file.
+    async with opened(new_tier(disk_dir)) as tier:
+        key, view, path = await _stored_block(tier, slots)
+        path.unlink()
+        path.mkdir()
+        assert await tier.lookup([key]) == [False]
+        await _assert_fails_and_is_gone(tier, key, view, path)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("seam", ["_open", "_preadv"])
+async def test_io_error_on_load_fails_and_deletes(
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, seam: str
+) -> None:
+    async with opened(new_tier(disk_dir)) as tier:
+        key, view, path = await _stored_block(tier, slots)
+
+        def fail(*args: Any) -> int:
+            raise OSError(errno.EACCES if seam == "_open" else errno.EIO, "injected")
+
+        monkeypatch.setattr(fs, seam, fail)
+        await _assert_fails_and_is_gone(tier, key, view, path)
+
+
+@pytest.mark.anyio
+async def test_store_remakes_directories_removed_under_it(disk_dir: Path, slots: Slots) -> None:
+    keys = [make_offload_key(b"\xab\xcd\xe0" + os.urandom(29), 0) for _ in range(3)]
+    views = slots.make(3, PAGE)
+    async with opened(new_tier(disk_dir)) as tier:
+        assert await tier.store(keys[:1], views[:1]) == [True]
+        shutil.rmtree(block_path(tier, keys[0]).parents[1])  # <rank>/abc, which it knows
+        assert await tier.store(keys[1:], views[1:]) == [True, True]
+        assert await tier.lookup(keys) == [False, True, True]
+        assert await tier.load(keys[1:], views[1:]) == [True, True]
+
+
+@pytest.mark.anyio
+async def test_wrong_sized_file_is_replaced_by_a_store(disk_dir: Path, slots: Slots) -> None:
+    async with opened(new_tier(disk_dir)) as tier:
+        key, view, path = await _stored_block(tier, slots)
+        os.truncate(path, 10)
+        assert await tier.store([key], [view]) == [True]
+        assert path.stat().st_size == HEADER_BYTES + PAGE
+        assert await tier.load([key], [view]) == [True]
+
+
+# -- failed and cancelled stores -------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("publish", PUBLISH_MODES)
+async def test_injected_enospc_fails_the_key_and_leaves_nothing(
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, publish: str
+) -> None:
+    use_publish(monkeypatch, publish)
+    keys, views = keys_for(3), slots.make(3, PAGE)
+    async with opened(new_tier(disk_dir)) as tier:
+        real_pwritev = fs._pwritev
+
+        def full_for_second(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+            if bytes(buffers[-1][:16]) == bytes(views[1][:16]):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            return real_pwritev(fd, buffers, offset)
+
+        monkeypatch.setattr(fs, "_pwritev", full_for_second)
+        assert await tier.store(keys, views) == [True, False, True]
+        assert await tier.lookup(keys) == [True, False, True]
+        assert tier.statistics().store_failures == 1
+    assert temp_files(disk_dir) == []
+    assert not block_path(tier, keys[1]).exists()
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(size: str) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="kvtier-fs-tiny-"))
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            capture_output=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        try:
+            yield path
+        finally:
+            subprocess.run(["umount", str(path)], check=True)
+    finally:
+        path.rmdir()
+
+
+@pytest.mark.anyio
+async def test_real_enospc_on_a_full_file_system(slots: Slots) -> None:
+    block_bytes = 64 << 10
+    keys, views = keys_for(12), slots.make(12, block_bytes)
+    stored = snapshot(views)
+    with tiny_tmpfs("512k") as root:
+        async with opened(new_tier(root, block_bytes)) as tier:
+            results = [(await tier.store([key], [view]))[0] for key, view in zip(keys, views)]
+            assert True in results and False in results
+            assert await tier.lookup(keys) == results
+            wipe(views)
+            loaded = await tier.load(keys, views)
+            assert loaded == results
+            assert all(
+                snapshot([view]) == [data] for view, data, ok in zip(views, stored, results) if ok
+            )
+            assert tier.statistics().store_failures == results.count(False)
+        assert temp_files(root) == []
+        sizes = {p.stat().st_size for p in files_under(root) if p.suffix == ".bin"}
+        assert sizes == {HEADER_BYTES + block_bytes}
+
+
+@pytest.mark.anyio
+async def test_cancelled_store_leaves_only_complete_files(
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys, views = keys_for(8), slots.make(8, PAGE)
+    real_pwritev = fs._pwritev
+    async with opened(new_tier(disk_dir)) as tier:
+        with anyio.CancelScope() as scope:
+
+            def cancel_then_write(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+                anyio.from_thread.run_sync(scope.cancel)
+                return real_pwritev(fd, buffers, offset)
+
+            monkeypatch.setattr(fs, "_pwritev", cancel_then_write)
+            await tier.store(keys, views)
+        assert scope.cancel_called  # whether the call then raised depends on the backend
+        monkeypatch.setattr(fs, "_pwritev", real_pwritev)
+        present = await tier.lookup(keys)
+        assert temp_files(disk_dir) == []
+        wipe(views)
+        assert await tier.load(keys, views) == present
+
+
+# -- restart, leftovers, namespaces ----------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_new_instance_finds_stored_blocks(disk_dir: Path, slots: Slots) -> None:
+    keys, views = keys_for(4), slots.make(4, PAGE)
+    stored = snapshot(views)
+    async with opened(new_tier(disk_dir)) as tier:
+        assert await tier.store(keys, views) == [True] * 4
+    wipe(views)
+    async with opened(new_tier(disk_dir)) as tier:
+        assert await tier.lookup(keys) == [True] * 4
+        assert await tier.load(keys, views) == [True] * 4
+        assert await tier.store(keys, views) == [True] * 4
+        assert tier.statistics().blocks_stored == 0  # already there: nothing written
+    assert snapshot(views) == stored
+
+
+@pytest.mark.anyio
+async def test_config_json_records_the_namespace_fields(disk_dir: Path) -> None:
+    ctx = TierContext(block_bytes=PAGE, model="org/My Model", dtype="bfloat16")
+    async with opened(new_tier(disk_dir, ctx=ctx)) as tier:
+        config = Path(tier.namespace_dir) / "config.json"
+        assert json.loads(config.read_text()) == ctx.namespace_fields()
+    async with opened(new_tier(disk_dir, ctx=ctx)):
+        pass  # an existing config.json is kept
+    assert json.loads(config.read_text()) == ctx.namespace_fields()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"dtype": "bfloat16"},
+        {"block_tokens": 32},
+        {"model": "another-model"},
+        {"tp_size": 2},
+        {"rank": 1},
+    ],
+)
+async def test_another_context_does_not_see_the_blocks(
+    disk_dir: Path, slots: Slots, other: dict[str, Any]
+) -> None:
+    keys, views = keys_for(2), slots.make(2, PAGE)
+    base = TierContext(block_bytes=PAGE)
+    async with opened(new_tier(disk_dir, ctx=base)) as tier:
+        assert await tier.store(keys, views) == [True, True]
+    changed = TierContext(**{**base.__dict__, **other})
+    async with opened(new_tier(disk_dir, ctx=changed)) as tier:
+        assert await tier.lookup(keys) == [False, False]
+        assert await tier.load(keys, views) == [False, False]
+
+
+def _temp_name(token: str, pid: int, start: int) -> str:
+    return f".{'ab' * 32}.{token}-{pid}-{start}-0.tmp"
+
+
+def _crash_with_a_temp_file(directory: Path) -> None:
+    """A process that creates a named temporary as a store does, then dies at once."""
+    code = (
+        "import os, sys; from kvtier_async.tiers import fs; "
+        "fd, name = fs._create_file(sys.argv[1], 'rename', False); "
+        "os.write(fd, b'partial'); print(name, flush=True); os._exit(1)"
+    )
+    src = str(Path(fs.__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": src}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(directory)], capture_output=True, env=env, check=False
+    )
+    assert done.returncode == 1, done.stderr
+    assert Path(done.stdout.decode().strip()).exists()
+
+
+@pytest.mark.anyio
+async def test_open_removes_only_temp_files_of_dead_writers(disk_dir: Path) -> None:
+    tier = new_tier(disk_dir)
+    rank_dir = Path(tier.namespace_dir) / "r0"
+    leaf = rank_dir / "abc" / "de_g0"
+    leaf.mkdir(parents=True)
+    _crash_with_a_temp_file(leaf)
+    me = await anyio.to_thread.run_sync(fs._identity)
+    peer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)  # fmt: skip
+    try:
+        peer_start = await anyio.to_thread.run_sync(fs._process_start, peer.pid)
+        assert peer_start is not None
+        names = {
+            "live peer": _temp_name(me.token, peer.pid, peer_start),
+            "this process": _temp_name(me.token, me.pid, me.start),
+            "reused pid": _temp_name(me.token, me.pid, me.start + 1),
+            "other host": _temp_name("0badf00d", 1, 1),
+        }
+        for name in names.values():
+            (leaf / name).write_bytes(b"x")
+        async with opened(tier):
+            left = {p.name for p in temp_files(disk_dir)}
+        assert left == {names["live peer"], names["this process"], names["other host"]}
+    finally:
+        assert peer.stdin is not None
+        peer.stdin.close()
+        peer.wait(WAIT_S)
+    async with opened(new_tier(disk_dir)):  # the peer is gone now
+        left = {p.name for p in temp_files(disk_dir)}
+    assert left == {names["this process"], names["other host"]}
+
+
+# -- sharing one root ------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("publish", PUBLISH_MODES)
+async def test_two_instances_store_the_same_keys_at_once(
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, publish: str
+) -> None:
+    use_publish(monkeypatch, publish)
+    keys, views = keys_for(16), slots.make(16, PAGE)
+    stored = snapshot(views)
+    results: list[list[bool]] = []
+    async with opened(new_tier(disk_dir)) as one, opened(new_tier(disk_dir)) as two:
+
+        async def store(tier: FsTier) -> None:
+            results.append(await tier.store(keys, views))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store, one)
+            tg.start_soon(store, two)
+        assert results == [[True] * 16] * 2
+        wipe(views)
+        assert await two.load(keys, views) == [True] * 16
+    assert snapshot(views) == stored
+    assert temp_files(disk_dir) == []
+
+
+def _block_data(seed: int, index: int, block_bytes: int) -> bytes:
+    return (seed * 1000 + index).to_bytes(8, "big") * (block_bytes // 8)
+
+
+def _aligned_views(count: int, block_bytes: int) -> tuple[mmap.mmap, list[memoryview]]:
+    buf = mmap.mmap(-1, count * block_bytes)
+    return buf, [memoryview(buf)[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
+
+
+def _writer(root: str, keys: list[bytes], block_bytes: int, barrier: Barrier) -> None:
+    _buf, views = _aligned_views(len(keys), block_bytes)
+    for i, view in enumerate(views):
+        view[:] = _block_data(7, i, block_bytes)
+
+    async def main() -> None:
+        async with opened(new_tier(Path(root), block_bytes)) as tier:
+            barrier.wait(WAIT_S)
+            assert await tier.store(keys, views) == [True] * len(keys)
+
+    anyio.run(main)
+
+
+def _reader(
+    root: str, keys: list[bytes], block_bytes: int, barrier: Barrier, done: Event, out: Any
+) -> None:
+    _buf, views = _aligned_views(len(keys), block_bytes)
+    checks = 0
+
+    async def main() -> None:
+        nonlocal checks
+        async with opened(new_tier(Path(root), block_bytes)) as tier:
+            barrier.wait(WAIT_S)
+            while True:
+                finished = done.is_set()
+                for i, found in enumerate(await tier.lookup(keys)):
+                    if found:
+                        assert await tier.load([keys[i]], [views[i]]) == [True]
+                        assert bytes(views[i]) == _block_data(7, i, block_bytes)
+                        checks += 1
+                if finished:
+                    return
+
+    anyio.run(main)
+    out.put(checks)
+
+
+def test_two_processes_sharing_a_root_never_see_a_torn_file(disk_dir: Path) -> None:
+    block_bytes, keys = 64 << 10, keys_for(64)
+    barrier, done, out = CTX.Barrier(3), CTX.Event(), CTX.Queue()
+    writers = [
+        CTX.Process(target=_writer, args=(str(disk_dir), keys, block_bytes, barrier))
+        for _ in range(2)
+    ]
+    reader = CTX.Process(
+        target=_reader, args=(str(disk_dir), keys, block_bytes, barrier, done, out)
+    )
+    for proc in [*writers, reader]:
+        proc.start()
+    for proc in writers:
+        proc.join(WAIT_S)
+    done.set()
+    reader.join(WAIT_S)
+    for proc in [*writers, reader]:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert [p.exitcode for p in [*writers, reader]] == [0, 0, 0]
+    assert out.get(timeout=WAIT_S) >= len(keys)  # the final pass saw every block
+    assert temp_files(disk_dir) == []
+
+
+# -- names, lookups, capacity ----------------------------------------------------------------
+
+
+ODD_KEYS = [
+    b"../../../etc/passwd" + bytes(4),
+    b"/\x00\\..\n" + (7).to_bytes(4, "big"),
+    b"\xff" * 40 + (2**32 - 1).to_bytes(4, "big"),
+    b"a" + (1).to_bytes(4, "big"),
+]
+
+
+@pytest.mark.anyio
+async def test_odd_keys_make_only_hex_names_under_the_root(disk_dir: Path, slots: Slots) -> None:
+    ctx = TierContext(block_bytes=PAGE, model="../../evil/model\x00")
+    views = slots.make(len(ODD_KEYS), PAGE)
+    async with opened(new_tier(disk_dir, ctx=ctx)) as tier:
+        assert await tier.store(ODD_KEYS, views) == [True] * len(ODD_KEYS)
+        assert await tier.lookup(ODD_KEYS) == [True] * len(ODD_KEYS)
+        namespace = tier.ctx.namespace
+    assert "/" not in namespace and namespace not in (".", "..")
+    blocks = [p for p in files_under(disk_dir) if p.suffix == ".bin"]
+    assert len(blocks) == len(ODD_KEYS)
+    for path in blocks:
+        rel = path.relative_to(disk_dir / namespace / "r0")
+        assert re.fullmatch(r"[0-9a-f]{1,3}/[0-9a-f]{0,2}_g\d+/[0-9a-f]+\.bin", str(rel)), rel
+
+
+@pytest.mark.anyio
+async def test_malformed_keys_fail_alone(disk_dir: Path, slots: Slots) -> None:
+    good, bad = keys_for(1)[0], b"\x01\x02"
+    views = slots.make(2, PAGE)
+    async with opened(new_tier(disk_dir)) as tier:
+        assert await tier.store([bad, good], views) == [False, True]
+        assert await tier.lookup([bad, good]) == [False, True]
+        assert await tier.load([bad, good], views) == [False, True]
+
+
+@pytest.mark.anyio
+async def test_lookups_are_one_thread_call_per_batch_and_loads_are_chunked(
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    real_run_sync = anyio.to_thread.run_sync
+
+    async def counting(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(args[0]) if args else 0)
+        return await real_run_sync(fn, *args, **kwargs)
+
+    block_bytes = 2 << 20  # MIN_CHUNK_BYTES (4 MiB) = 2 blocks per thread call
+    keys, views = keys_for(12), slots.make(12, block_bytes, fill=False)
+    async with opened(new_tier(disk_dir, block_bytes)) as tier:  # 4 workers each way
+        monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
+        await tier.lookup(keys_for(100))
+        assert calls == [100]
+        calls.clear()
+        assert await tier.store(keys[:2], views[:2]) == [True] * 2
+        assert calls == [2]
+        calls.clear()
+        assert await tier.store(keys, views) == [True] * 12
+        assert calls == [3, 3, 3, 3]  # at most one chunk per worker
+
+
+@pytest.mark.anyio
+async def test_max_bytes_evicts_the_least_recently_used(disk_dir: Path, slots: Slots) -> None:
+    file_bytes = HEADER_BYTES + PAGE
+    keys, views = keys_for(5), slots.make(5, PAGE)
+    async with opened(new_tier(disk_dir, max_bytes=3 * file_bytes)) as tier:
+        assert await tier.store(keys[:3], views[:3]) == [True] * 3
+        assert await tier.load(keys[:1], views[:1]) == [True]  # key 0 is now the newest
+        assert await tier.store(keys[3:4], views[3:4]) == [True]
+        assert await tier.lookup(keys[:4]) == [True, False, True, True]
+        assert await tier.lookup(keys[:1]) == [True]  # lookups do not count as use
+        assert await tier.store(keys[4:], views[4:]) == [True]
+        assert await tier.lookup(keys) == [True, False, False, True, True]
+        assert "evicted=2" in tier.statistics().detail
+
+
+@pytest.mark.anyio
+async def test_max_bytes_is_rebuilt_from_mtimes_at_open(disk_dir: Path, slots: Slots) -> None:
+    file_bytes = HEADER_BYTES + PAGE
+    keys, views = keys_for(4), slots.make(4, PAGE)
+    async with opened(new_tier(disk_dir)) as tier:
+        assert await tier.store(keys, views) == [True] * 4
+        paths = [block_path(tier, key) for key in keys]
+    for age, path in zip([10, 40, 20, 30], paths):  # oldest: key 1, then 3, 2, 0
+        os.utime(path, ns=(0, (1_000_000 - age) * 10**9))
+    async with opened(new_tier(disk_dir, max_bytes=2 * file_bytes)) as tier:
+        assert await tier.lookup(keys) == [True, False, True, False]
+        assert "evicted=2" in tier.statistics().detail
+
+
+@pytest.mark.anyio
+async def test_without_max_bytes_nothing_is_deleted(disk_dir: Path, slots: Slots) -> None:
+    keys, views = keys_for(20), slots.make(20, PAGE)
+    async with opened(new_tier(disk_dir)) as tier:
+        assert await tier.store(keys, views) == [True] * 20
+        assert await tier.lookup(keys) == [True] * 20
+        assert "capacity=unlimited" in tier.statistics().detail
+
+
+# -- configuration and open errors -----------------------------------------------------------
+
+
+def _config(**fields: Any) -> dict[str, Any]:
+    return {"type": "fs", "root_dir": "/var/tmp/kvtier-never-created", **fields}
+
+
+def test_config_builds_the_tier() -> None:
+    ctx = TierContext(block_bytes=PAGE)
+    config = _config(name="disk", n_read_workers=8, n_write_workers=2, max_bytes=1 << 30,
+                     fsync=True)  # fmt: skip
+    tier = make_tier(config, ctx, "secondary_tiers[1]")
+    assert isinstance(tier, FsTier)
+    assert (tier.name, tier.read_workers, tier.write_workers) == ("disk", 8, 2)
+    assert (tier.max_bytes, tier.fsync) == (1 << 30, True)
+    assert tier.root_dir == "/var/tmp/kvtier-never-created"
+    default = make_tier(_config(), ctx, "secondary_tiers[0]")
+    assert isinstance(default, FsTier)
+    assert (default.name, default.max_bytes, default.fsync) == ("fs[0]", None, False)
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"type": "fs"}, "root_dir"),
+        (_config(root_dir=""), "root_dir"),
+        (_config(root_dir=3), "root_dir"),
+        (_config(root_dir="/tmp/a\x00b"), "root_dir"),
+        (_config(rootdir="/tmp"), "rootdir"),
+        (_config(n_read_workers=0), "n_read_workers"),
+        (_config(n_read_workers="4"), "n_read_workers"),
+        (_config(n_write_workers=True), "n_write_workers"),
+        (_config(max_bytes=-1), "max_bytes"),
+        (_config(max_bytes=100), "max_bytes"),
+        (_config(max_bytes="1G"), "max_bytes"),
+        (_config(fsync="yes"), "fsync"),
+    ],
+)
+def test_config_errors_name_the_field(config: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        make_tier(config, TierContext(block_bytes=PAGE), "secondary_tiers[0]")
+    assert info.value.field == f"secondary_tiers[0].{field}"
+
+
+@pytest.mark.anyio
+async def test_open_fails_clearly_when_root_dir_is_a_file(disk_dir: Path) -> None:
+    root = disk_dir / "a-file"
+    root.write_bytes(b"")
+    with pytest.raises(OSError, match=r"root_dir .* is unusable"):
+        await new_tier(root).open()
+
+
+@pytest.mark.anyio
+async def test_calls_before_open_raise(disk_dir: Path) -> None:
+    with pytest.raises(RuntimeError, match="not open"):
+        await new_tier(disk_dir).lookup(keys_for(1))

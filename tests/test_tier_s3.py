@@ -1,0 +1,665 @@
+"""The obj tier against a real S3 HTTP endpoint: moto's server on 127.0.0.1.
+
+asyncio only: aiobotocore does not run under trio (one test checks the tier says so).
+No test sleeps to wait: the breaker runs on a fake clock, faults are injected through
+botocore's ``before-send`` event, and every wait is bounded by ``fail_after``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import traceback
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from _s3 import (
+    FakeClock,
+    Injector,
+    RequestLog,
+    make_blocks,
+    make_keys,
+    opened,
+    raw_client,
+)
+from kvtier_async.config import ConfigError, Section
+from kvtier_async.memory import SharedRegion
+from kvtier_async.testing.s3server import MotoS3Server
+from kvtier_async.tiers.base import TierContext, make_tier
+from kvtier_async.tiers.s3 import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    CircuitOpenError,
+    EndpointUnreachableError,
+    S3Config,
+    S3Tier,
+    Secret,
+    TierOpenError,
+)
+
+pytest_plugins = ["conftest_s3"]
+
+KIB = 1024
+CTX = TierContext(block_bytes=256 * KIB, model="test/model")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def s3_tier(server: MotoS3Server, bucket: str, ctx: TierContext = CTX, **kwargs: Any) -> S3Tier:
+    """A tier on ``server``; config fields and tier keywords (``clock=``...) in ``kwargs``."""
+    tuning = {
+        k: kwargs.pop(k) for k in ("breaker_threshold", "breaker_open_s", "clock") if k in kwargs
+    }
+    config = S3Config.from_section(Section(server.tier_config(bucket, **kwargs), "obj"))
+    return S3Tier("obj", ctx, config, backoff_s=0.001, **tuning)
+
+
+def data(
+    count: int, size: int = CTX.block_bytes
+) -> tuple[list[bytes], list[memoryview], list[memoryview]]:
+    """``count`` keys, blocks of random bytes, and empty slots for loading them."""
+    return make_keys(count), make_blocks(count, size, seed=count), make_blocks(count, size)
+
+
+def equal(a: memoryview, b: memoryview) -> bool:
+    return a.tobytes() == b.tobytes()
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+def config(data: dict[str, Any]) -> S3Config:
+    return S3Config.from_section(Section({"type": "obj", **data}, "secondary_tiers[1]"))
+
+
+def test_config_fields_and_defaults() -> None:
+    cfg = config({"bucket": "kv", "endpoint_override": "minio:9000", "prefix": "/a/b/"})
+    assert cfg.endpoint_url == "http://minio:9000"  # vLLM's default scheme with an endpoint
+    assert cfg.client_region == "us-east-1"
+    assert cfg.prefix == "a/b"
+    assert (cfg.max_concurrency, cfg.timeout_s, cfg.retries) == (16, 5.0, 3)
+    assert not cfg.access_key  # empty: the AWS credential chain
+    aws = config({"bucket": "kv", "region": "eu-west-1"})
+    assert aws.endpoint_url is None and aws.scheme == "https" and aws.client_region == "eu-west-1"
+    tls = config({"bucket": "kv", "endpoint_override": "https://s3.local", "max_concurrency": 4})
+    assert tls.endpoint_url == "https://s3.local" and tls.max_concurrency == 4
+
+
+def test_config_accepts_vllms_nested_store_config() -> None:
+    cfg = config(
+        {
+            "store_config": {"bucket": "kv", "endpoint_override": "h:1", "scheme": "https"},
+            "prefix": "p",
+            "io_threads": 8,
+        }
+    )
+    assert (cfg.bucket, cfg.endpoint_url, cfg.prefix, cfg.max_concurrency) == (
+        "kv",
+        "https://h:1",
+        "p",
+        8,
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "text"),
+    [
+        ({}, "bucket", "is required"),
+        ({"bucket": "a/b"}, "bucket", "not a bucket name"),
+        ({"bucket": "kv", "color": 1}, "color", "unknown key"),
+        ({"bucket": "kv", "access_key": "AK"}, "secret_key", "is required"),
+        ({"bucket": "kv", "secret_key": "SK"}, "access_key", "is required"),
+        ({"bucket": "kv", "session_token": "T"}, "session_token", "needs access_key"),
+        ({"bucket": "kv", "scheme": "ftp"}, "scheme", "must be one of"),
+        ({"bucket": "kv", "endpoint_override": "ftp://h"}, "endpoint_override", "http or https"),
+        ({"bucket": "kv", "endpoint_override": "h:1/path"}, "endpoint_override", "host[:port]"),
+        ({"bucket": "kv", "endpoint_override": "h:port"}, "endpoint_override", "Port"),
+        ({"bucket": "kv", "endpoint_override": "http://h", "scheme": "https"}, "scheme", "is"),
+        ({"bucket": "kv", "max_concurrency": 0}, "max_concurrency", "in [1, 1024]"),
+        ({"bucket": "kv", "max_concurrency": 4, "io_threads": 4}, "io_threads", "not both"),
+        ({"bucket": "kv", "timeout_s": 0}, "timeout_s", "must be"),
+        ({"bucket": "kv", "retries": -1}, "retries", "must be"),
+        ({"bucket": "kv", "store_config": {"bucket": "x"}}, "store_config.bucket", "also set"),
+        ({"store_config": {"bucket": "x", "prefix": "p"}}, "store_config.prefix", "unknown"),
+    ],
+)
+def test_config_errors_name_the_field(data: dict[str, Any], field: str, text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config(data)
+    assert info.value.field == f"secondary_tiers[1].{field}"
+    assert text in str(info.value)
+
+
+def test_config_never_echoes_an_endpoint_with_user_info() -> None:
+    with pytest.raises(ConfigError) as info:
+        config({"bucket": "kv", "endpoint_override": "http://AK:VERYSECRET@host:9000"})
+    assert "VERYSECRET" not in str(info.value)
+
+
+def test_the_factory_builds_the_tier() -> None:
+    tier = make_tier({"type": "obj", "bucket": "kv"}, CTX, "secondary_tiers[2]")
+    assert isinstance(tier, S3Tier)
+    assert (tier.name, tier.kind, tier.config.path) == ("obj[2]", "obj", "secondary_tiers[2]")
+    assert tier.read_workers == tier.write_workers == 16
+
+
+def test_object_names_are_the_fs_relative_paths() -> None:
+    from kvtier_async.tiers.base import block_relpath
+
+    key = make_keys(1, group=3)[0]
+    tier = S3Tier("obj", CTX, config({"bucket": "kv", "prefix": "kv/cache"}))
+    assert tier.object_name(key) == "kv/cache/" + block_relpath(CTX, key)
+    assert S3Tier("obj", CTX, config({"bucket": "kv"})).object_name(key) == block_relpath(CTX, key)
+
+
+# -- data --------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("size", [4 * KIB, 100_000, 256 * KIB, 2048 * KIB])
+async def test_round_trip_is_byte_exact(moto_s3: MotoS3Server, s3_bucket: str, size: int) -> None:
+    ctx = TierContext(block_bytes=size)
+    keys, blocks, slots = make_keys(6), make_blocks(6, size, seed=size), make_blocks(6, size)
+    async with opened(s3_tier(moto_s3, s3_bucket, ctx, prefix="rt")) as tier:
+        assert await tier.lookup(keys) == [False] * 6
+        assert await tier.store(keys, blocks) == [True] * 6
+        assert await tier.lookup(keys) == [True] * 6
+        assert await tier.load(keys, slots) == [True] * 6
+        stats = tier.statistics()
+    assert all(equal(a, b) for a, b in zip(blocks, slots, strict=True))
+    assert (stats.blocks_stored, stats.blocks_loaded) == (6, 6)
+    assert stats.bytes_written == stats.bytes_read == 6 * size
+    assert (stats.lookups, stats.lookup_hits, stats.retries) == (12, 6, 0)
+
+
+@pytest.mark.anyio
+async def test_loads_into_the_shared_regions_slots(
+    moto_s3: MotoS3Server, s3_bucket: str, tmp_path: Path
+) -> None:
+    keys, blocks = make_keys(4), make_blocks(4, CTX.block_bytes, seed=1)
+    region = SharedRegion("s3test", 4, CTX.block_bytes, directory=tmp_path)
+    try:
+        slots = [region.slot_view(i) for i in range(4)]
+        async with opened(s3_tier(moto_s3, s3_bucket)) as tier:
+            assert await tier.store(keys, blocks) == [True] * 4
+            assert await tier.load(keys[::-1], slots) == [True] * 4
+        assert all(equal(a, b) for a, b in zip(blocks[::-1], slots, strict=True))
+        del slots
+    finally:
+        region.close()
+
+
+@pytest.mark.anyio
+async def test_a_second_store_is_skipped(moto_s3: MotoS3Server, s3_bucket: str) -> None:
+    (key,), (first, second), (slot,) = (
+        make_keys(1),
+        make_blocks(2, CTX.block_bytes),
+        make_blocks(1, CTX.block_bytes),
+    )
+    async with opened(s3_tier(moto_s3, s3_bucket)) as tier:
+        requests = RequestLog().attach(tier.client)
+        assert await tier.store([key], [first]) == [True]
+        assert await tier.store([key], [second]) == [True]  # present: reported stored
+        assert await tier.load([key], [slot]) == [True]
+        stats = tier.statistics()
+    assert equal(slot, first)  # the second store did not overwrite
+    # one conditional PUT each; the second was refused (412) without replacing the object
+    assert requests.sent == {"PutObject": 2, "GetObject": 1}
+    assert [s for s in requests.statuses if s[0] == "PutObject"] == [
+        ("PutObject", 200),
+        ("PutObject", 412),
+    ]
+    assert (stats.blocks_stored, stats.blocks_skipped, stats.bytes_written) == (
+        1,
+        1,
+        CTX.block_bytes,
+    )
+
+
+@pytest.mark.anyio
+async def test_a_new_tier_finds_what_an_old_one_stored(
+    moto_s3: MotoS3Server, s3_bucket: str
+) -> None:
+    keys, blocks, slots = (
+        make_keys(3),
+        make_blocks(3, CTX.block_bytes),
+        make_blocks(3, CTX.block_bytes),
+    )
+    async with opened(s3_tier(moto_s3, s3_bucket, prefix="keep")) as tier:
+        assert await tier.store(keys, blocks) == [True] * 3
+    async with opened(s3_tier(moto_s3, s3_bucket, prefix="keep")) as tier:
+        assert await tier.lookup(keys) == [True] * 3
+        assert await tier.load(keys, slots) == [True] * 3
+    assert all(equal(a, b) for a, b in zip(blocks, slots, strict=True))
+    async with opened(s3_tier(moto_s3, s3_bucket, prefix="other")) as tier:
+        assert await tier.lookup(keys) == [False] * 3
+
+
+@pytest.mark.anyio
+async def test_a_root_directory_and_a_bucket_are_interchangeable(
+    moto_s3: MotoS3Server, s3_bucket: str, tmp_path: Path
+) -> None:
+    keys, blocks, slots = (
+        make_keys(2),
+        make_blocks(2, CTX.block_bytes),
+        make_blocks(2, CTX.block_bytes),
+    )
+    fs_config = {"type": "fs", "root_dir": str(tmp_path / "root")}
+    # fs -> "sync" the root to the bucket -> obj
+    async with opened(make_tier(fs_config, CTX, "fs")) as fs_tier:
+        assert await fs_tier.store(keys[:1], blocks[:1]) == [True]
+    async with raw_client(moto_s3) as client:
+        for path in (tmp_path / "root").rglob("*.bin"):
+            name = path.relative_to(tmp_path / "root").as_posix()
+            await client.put_object(Bucket=s3_bucket, Key=name, Body=path.read_bytes())
+    async with opened(s3_tier(moto_s3, s3_bucket)) as tier:
+        assert await tier.lookup(keys) == [True, False]
+        assert await tier.load(keys[:1], slots[:1]) == [True]
+        assert equal(slots[0], blocks[0])
+        # obj -> "sync" the bucket to the root -> fs
+        assert await tier.store(keys[1:], blocks[1:]) == [True]
+        name = tier.object_name(keys[1])
+        async with raw_client(moto_s3) as client:
+            body = await (await client.get_object(Bucket=s3_bucket, Key=name))["Body"].read()
+    (tmp_path / "root" / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "root" / name).write_bytes(body)
+    async with opened(make_tier(fs_config, CTX, "fs")) as fs_tier:
+        assert await fs_tier.load(keys[1:], slots[1:]) == [True]
+    assert equal(slots[1], blocks[1])
+
+
+@pytest.mark.anyio
+async def test_a_missing_object_fails_only_its_key(moto_s3: MotoS3Server, s3_bucket: str) -> None:
+    keys, blocks, slots = (
+        make_keys(3),
+        make_blocks(3, CTX.block_bytes),
+        make_blocks(3, CTX.block_bytes),
+    )
+    async with opened(s3_tier(moto_s3, s3_bucket)) as tier:
+        assert await tier.store([keys[0], keys[2]], [blocks[0], blocks[2]]) == [True, True]
+        assert await tier.load(keys, slots) == [True, False, True]
+        assert tier.statistics().load_failures == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "another key's object", "foreign"])
+async def test_a_corrupt_object_fails_and_is_deleted(
+    moto_s3: MotoS3Server, s3_bucket: str, damage: str
+) -> None:
+    keys, blocks, slots = (
+        make_keys(2),
+        make_blocks(2, CTX.block_bytes),
+        make_blocks(2, CTX.block_bytes),
+    )
+    async with opened(s3_tier(moto_s3, s3_bucket)) as tier:
+        assert await tier.store(keys, blocks) == [True, True]
+        name = tier.object_name(keys[0])
+        async with raw_client(moto_s3) as client:
+            good = await (await client.get_object(Bucket=s3_bucket, Key=name))["Body"].read()
+            other = tier.object_name(keys[1])
+            body = {
+                "flip a byte": good[:-1] + bytes([good[-1] ^ 1]),
+                "truncate": good[: len(good) // 2],
+                "another key's object": await (
+                    await client.get_object(Bucket=s3_bucket, Key=other)
+                )["Body"].read(),
+                "foreign": os.urandom(len(good)),
+            }[damage]
+            await client.put_object(Bucket=s3_bucket, Key=name, Body=body)
+            assert await tier.load(keys, slots) == [False, True]
+            assert await tier.lookup(keys) == [False, True]  # deleted
+            listed = await client.list_objects_v2(Bucket=s3_bucket)
+        stats = tier.statistics()
+    assert [o["Key"] for o in listed["Contents"]] == [tier.object_name(keys[1])]
+    assert (stats.corrupt_objects, stats.load_failures, stats.blocks_loaded) == (1, 1, 1)
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("status", "code"), [(503, "SlowDown"), (500, "InternalError"), (429, "TooManyRequests")]
+)
+async def test_throttling_and_server_errors_are_retried(
+    moto_s3: MotoS3Server, s3_bucket: str, status: int, code: str
+) -> None:
+    (key,), (block,), (slot,) = (
+        make_keys(1),
+        make_blocks(1, CTX.block_bytes),
+        make_blocks(1, CTX.block_bytes),
+    )
+    async with opened(s3_tier(moto_s3, s3_bucket, retries=3)) as tier:
+        injectors = {
+            op: Injector(status, code, count=2) for op in ("PutObject", "HeadObject", "GetObject")
+        }
+        for op, injector in injectors.items():
+            tier.client.meta.events.register(f"before-send.s3.{op}", injector)
+        assert await tier.store([key], [block]) == [True]
+        assert await tier.lookup([key]) == [True]
+        assert await tier.load([key], [slot]) == [True]
+        stats = tier.statistics()
+    assert equal(slot, block)
+    assert all(i.injected == 2 and i.seen == 3 for i in injectors.values())
+    assert stats.retries == 6
+    assert stats.circuit_state == "closed"
+
+
+@pytest.mark.anyio
+async def test_retries_are_bounded(moto_s3: MotoS3Server, s3_bucket: str) -> None:
+    (key,), (block,) = make_keys(1), make_blocks(1, CTX.block_bytes)
+    async with opened(s3_tier(moto_s3, s3_bucket, retries=2)) as tier:
+        injector = Injector(503, "SlowDown", count=10)
+        tier.client.meta.events.register("before-send.s3.PutObject", injector)
+        assert await tier.store([key], [block]) == [False]
+        assert injector.seen == 3  # the first try and two retries
+        assert tier.statistics().store_failures == 1
+        assert await tier.lookup([key]) == [False]
+
+
+@pytest.mark.anyio
+async def test_a_store_without_conditional_puts_heads_first(
+    moto_s3: MotoS3Server, s3_bucket: str
+) -> None:
+    (key,), (block,) = make_keys(1), make_blocks(1, CTX.block_bytes)
+    async with opened(s3_tier(moto_s3, s3_bucket)) as tier:
+        injector = Injector(501, "NotImplemented", count=100, only_conditional=True)
+        tier.client.meta.events.register("before-send.s3.PutObject", injector)
+        requests = RequestLog().attach(tier.client)
+        assert await tier.store([key], [block]) == [True]
+        assert await tier.store([key], [block]) == [True]
+        stats = tier.statistics()
+    assert injector.injected == 1  # asked once, then never again
+    assert requests.sent == {"PutObject": 2, "HeadObject": 2}
+    assert (stats.blocks_stored, stats.blocks_skipped) == (1, 1)
+    assert "HEAD then PUT" in stats.detail
+
+
+@pytest.mark.anyio
+async def test_requests_are_bounded_by_max_concurrency(
+    moto_s3: MotoS3Server, s3_bucket: str
+) -> None:
+    keys = make_keys(40)
+    async with opened(s3_tier(moto_s3, s3_bucket, max_concurrency=3)) as tier:
+        requests = RequestLog().attach(tier.client)
+        async with anyio.create_task_group() as tg:  # two batches at once share the bound
+            tg.start_soon(tier.lookup, keys[:20])
+            tg.start_soon(tier.lookup, keys[20:])
+    assert requests.sent == {"HeadObject": 40}
+    assert requests.peak == 3
+
+
+@pytest.mark.anyio
+async def test_a_stopped_endpoint_opens_the_circuit_and_a_restarted_one_closes_it(
+    own_moto_s3: MotoS3Server,
+) -> None:
+    server, clock = own_moto_s3, FakeClock()
+    server.create_bucket("breaker")
+    keys, blocks, slots = (
+        make_keys(4),
+        make_blocks(4, CTX.block_bytes),
+        make_blocks(4, CTX.block_bytes),
+    )
+    tier = s3_tier(
+        server, "breaker", retries=1, breaker_threshold=3, breaker_open_s=30, clock=clock
+    )
+    async with opened(tier):
+        assert await tier.store(keys[:2], blocks[:2]) == [True, True]
+        requests = RequestLog().attach(tier.client)
+        server.stop()
+        with anyio.fail_after(10):
+            # connection refused: the keys fail, and the failures open the circuit
+            assert await tier.store(keys[2:], blocks[2:]) == [False, False]
+            assert tier.statistics().circuit_state == "open"
+            sent = requests.total
+            # open: no I/O at all; lookups miss, stores and loads raise at once
+            assert await tier.lookup(keys) == [False] * 4
+            with pytest.raises(CircuitOpenError, match="circuit open"):
+                await tier.store(keys[2:], blocks[2:])
+            with pytest.raises(CircuitOpenError):
+                await tier.load(keys[:2], slots[:2])
+            assert requests.total == sent
+            # the open time passes: one probe, still refused, opens it again
+            clock.advance(30)
+            assert await tier.lookup(keys) == [False] * 4
+            assert requests.total == sent + 1
+            assert (tier.statistics().circuit_state, tier.statistics().circuit_opens) == ("open", 2)
+            # the endpoint returns; the circuit stays open until the next probe
+            server.start()
+            assert await tier.lookup(keys) == [False] * 4
+            clock.advance(30)
+            assert await tier.lookup(keys) == [True, True, False, False]
+            assert tier.statistics().circuit_state == "closed"
+            assert await tier.load(keys[:2], slots[:2]) == [True, True]
+            assert await tier.store(keys[2:], blocks[2:]) == [True, True]
+    assert all(equal(a, b) for a, b in zip(blocks[:2], slots[:2], strict=True))
+
+
+@pytest.mark.anyio
+async def test_a_silent_endpoint_times_out_and_lookups_stop_waiting(
+    own_moto_s3: MotoS3Server,
+) -> None:
+    server, clock = own_moto_s3, FakeClock()
+    server.create_bucket("silent")
+    keys = make_keys(4)
+    tier = s3_tier(server, "silent", timeout_s=0.3, retries=0, breaker_threshold=2, clock=clock)
+    async with opened(tier):
+        server.stop()
+        with socket.socket() as silent:  # accepts connections, never answers
+            silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            silent.bind(("127.0.0.1", server.port))
+            silent.listen(64)
+            with anyio.fail_after(5):
+                assert await tier.lookup(keys) == [False] * 4  # four timeouts open it
+            assert tier.statistics().circuit_state == "open"
+            with anyio.fail_after(0.5):
+                assert await tier.lookup(keys) == [False] * 4
+                with pytest.raises(CircuitOpenError):
+                    await tier.load(keys[:1], make_blocks(1, CTX.block_bytes))
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_store_leaves_no_partial_object(
+    moto_s3: MotoS3Server, s3_bucket: str
+) -> None:
+    keys, blocks, slots = (
+        make_keys(8),
+        make_blocks(8, CTX.block_bytes),
+        make_blocks(8, CTX.block_bytes),
+    )
+    async with opened(s3_tier(moto_s3, s3_bucket, max_concurrency=2)) as tier:
+        third_put = anyio.Event()
+        requests = RequestLog().attach(tier.client)
+
+        def watch(**_: Any) -> None:
+            if requests.sent.get("PutObject", 0) >= 3:
+                third_put.set()
+
+        tier.client.meta.events.register("before-send.s3.PutObject", watch)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tier.store, keys, blocks)
+            with anyio.fail_after(10):
+                await third_put.wait()
+            tg.cancel_scope.cancel()
+        found = await tier.lookup(keys)
+        assert 0 < sum(found) < 8
+        present = [k for k, f in zip(keys, found, strict=True) if f]
+        assert await tier.load(present, slots[: len(present)]) == [True] * len(present)
+        assert await tier.store(keys, blocks) == [True] * 8  # the tier still works
+
+
+# -- start-up ----------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_open_reports_an_unreachable_endpoint() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = config({"bucket": "kv", "endpoint_override": f"127.0.0.1:{port}", "access_key": "a",
+                  "secret_key": "b", "retries": 1})  # fmt: skip
+    tier = S3Tier("obj", CTX, cfg, backoff_s=0.001)
+    with anyio.fail_after(10), pytest.raises(EndpointUnreachableError) as info:
+        await tier.open()
+    await tier.aclose()
+    assert isinstance(info.value, ConnectionError) and isinstance(info.value, TierOpenError)
+    assert f"127.0.0.1:{port}" in str(info.value)
+    assert "secondary_tiers[1].endpoint_override" in str(info.value)
+
+
+@pytest.mark.anyio
+async def test_open_reports_a_missing_bucket(moto_s3: MotoS3Server) -> None:
+    tier = s3_tier(moto_s3, "no-such-bucket")
+    with pytest.raises(BucketNotFoundError, match=r"obj\.bucket: bucket 'no-such-bucket'") as info:
+        await tier.open()
+    await tier.aclose()
+    assert isinstance(info.value, LookupError)
+
+
+@pytest.mark.anyio
+async def test_empty_credentials_use_the_aws_chain(
+    moto_s3: MotoS3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    cfg = config({"bucket": s3_bucket, "endpoint_override": moto_s3.endpoint})
+    tier = S3Tier("obj", CTX, cfg)
+    with pytest.raises(AccessDeniedError, match="credential chain found none"):
+        await tier.open()
+    await tier.aclose()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "from-the-environment")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "from-the-environment")
+    async with opened(S3Tier("obj", CTX, cfg)) as tier:
+        assert await tier.lookup(make_keys(1)) == [False]
+
+
+@pytest.fixture
+def iam_users(moto_s3: MotoS3Server, s3_bucket: str) -> dict[str, tuple[str, str]]:
+    """Two IAM users, one allowed S3 and one without any policy; moto then checks auth."""
+
+    async def create() -> dict[str, tuple[str, str]]:
+        users = {}
+        async with raw_client(moto_s3, "iam") as iam:
+            for user in ("allowed", "denied"):
+                await iam.create_user(UserName=f"{s3_bucket}-{user}")
+                key = (await iam.create_access_key(UserName=f"{s3_bucket}-{user}"))["AccessKey"]
+                users[user] = (key["AccessKeyId"], key["SecretAccessKey"])
+            allow = {"Effect": "Allow", "Action": "s3:*", "Resource": "*"}
+            policy = {"Version": "2012-10-17", "Statement": [allow]}
+            await iam.put_user_policy(
+                UserName=f"{s3_bucket}-allowed", PolicyName="s3", PolicyDocument=json.dumps(policy)
+            )
+        return users
+
+    return anyio.run(create)
+
+
+@pytest.fixture
+def moto_auth(moto_s3: MotoS3Server) -> Any:
+    """Turn on moto's IAM checks for one test."""
+    moto_s3.set_auth(True)
+    try:
+        yield
+    finally:
+        moto_s3.set_auth(False)
+
+
+@pytest.mark.anyio
+async def test_open_reports_rejected_credentials_and_denied_access(
+    moto_s3: MotoS3Server, s3_bucket: str, iam_users: dict[str, tuple[str, str]], moto_auth: Any
+) -> None:
+    allowed, denied = iam_users["allowed"], iam_users["denied"]
+    cases = {
+        "unknown key": ((f"AKIA{'X' * 16}", "whatever"), "InvalidAccessKeyId", "rejected"),
+        "wrong secret": ((allowed[0], "not-the-secret"), "SignatureDoesNotMatch", "rejected"),
+        "no permission": (denied, "AccessDenied", "access denied"),
+    }
+    for (access_key, secret_key), code, text in cases.values():
+        tier = s3_tier(moto_s3, s3_bucket, access_key=access_key, secret_key=secret_key)
+        with pytest.raises(AccessDeniedError) as info:
+            await tier.open()
+        await tier.aclose()
+        assert isinstance(info.value, PermissionError)
+        assert info.value.code == code and text in str(info.value)
+    access_key, secret_key = allowed
+    async with opened(
+        s3_tier(moto_s3, s3_bucket, access_key=access_key, secret_key=secret_key)
+    ) as tier:
+        assert await tier.store(make_keys(1), make_blocks(1, CTX.block_bytes)) == [True]
+
+
+@pytest.mark.anyio
+async def test_credentials_never_show(
+    moto_s3: MotoS3Server, s3_bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    secrets = {"access_key": "AKIAKVTIERLEAKCHECK1", "secret_key": "kvtier-secret-LEAK-check-2",
+               "session_token": "kvtier-token-LEAK-check-3"}  # fmt: skip
+    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.DEBUG, logger="kvtier_async")
+    shown: list[str] = []
+    keys, blocks = make_keys(2), make_blocks(2, CTX.block_bytes)
+    # accepted while moto does not check; then every request is refused
+    tier = s3_tier(moto_s3, s3_bucket, **secrets)
+    async with opened(tier):
+        assert await tier.store(keys[:1], blocks[:1]) == [True]
+        moto_s3.set_auth(True)
+        try:
+            assert await tier.lookup(keys) == [False, False]
+            assert await tier.store(keys[1:], blocks[1:]) == [False]
+            assert await tier.load(keys[:1], blocks[:1]) == [False]
+        finally:
+            moto_s3.set_auth(False)
+        shown += [repr(tier), str(tier.statistics()), repr(tier.config), str(tier.config)]
+        shown += [json.dumps(tier.config.as_dict())]
+        moto_s3.set_auth(True)
+        try:
+            again = s3_tier(moto_s3, s3_bucket, **secrets)
+            with pytest.raises(AccessDeniedError) as info:
+                await again.open()
+            await again.aclose()
+        finally:
+            moto_s3.set_auth(False)
+    shown += [str(info.value), repr(info.value), "".join(traceback.format_exception(info.value))]
+    shown += [caplog.text, *(str(r.__dict__) for r in caplog.records)]
+    assert "obj store failed" in caplog.text and "rejected" in str(info.value)
+    for text in shown:
+        for secret in secrets.values():
+            assert secret not in text
+    assert tier.config.as_dict()["secret_key"] == "***"
+    assert repr(Secret("x")) == "Secret('***')" and str(Secret()) == ""
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_under_trio_open_says_it_needs_asyncio(anyio_backend: str) -> None:
+    tier = S3Tier("obj", CTX, config({"bucket": "kv", "endpoint_override": "127.0.0.1:9"}))
+    with pytest.raises(TierOpenError, match="needs asyncio"):
+        await tier.open()
+    await tier.aclose()
+
+
+@pytest.mark.anyio
+async def test_calls_need_an_open_tier(moto_s3: MotoS3Server, s3_bucket: str) -> None:
+    tier = s3_tier(moto_s3, s3_bucket)
+    with pytest.raises(RuntimeError, match="not open"):
+        await tier.lookup(make_keys(1))
+    async with opened(tier):
+        assert await tier.lookup([]) == []
+        with pytest.raises(ValueError, match="2 keys but 1 blocks"):
+            await tier.store(make_keys(2), make_blocks(1, CTX.block_bytes))
+    await tier.aclose()  # idempotent
+    with pytest.raises(RuntimeError):
+        await tier.open()
