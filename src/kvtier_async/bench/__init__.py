@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "gpu": "kvtier_async.bench.gpu:run",
     "engine": "kvtier_async.bench.engine:run",
     "fs": "kvtier_async.bench.fs:run",
+    "sched": "kvtier_async.bench.sched:run",
     "s3": "kvtier_async.bench.s3:run",
 }
 

@@ -177,7 +177,13 @@ def _sched_thread(steps: int) -> list[BenchRecord]:
     tier = MemoryTier("slow", TierContext(block_bytes=4096), lookup_latency_s=0.1)
     ledger = TieringLedger(PrimaryLedger(1024), ["slow"])
     memory = bytearray(4096)
-    timings: dict[str, list[float]] = {"lookup": [], "submit": [], "poll": [], "wake": []}
+    timings: dict[str, list[float]] = {
+        "lookup": [],
+        "take_tasks": [],
+        "submit": [],
+        "poll": [],
+        "wake": [],
+    }
 
     def make() -> Engine:
         return Engine([tier], lambda slot: memoryview(memory))
@@ -217,8 +223,11 @@ def _one_step(
         ledger.lookup(key, req)
         timings["lookup"].append(clock() - t0)
     t0 = clock()
+    tasks = ledger.take_tasks()
+    timings["take_tasks"].append(clock() - t0)
+    t0 = clock()
     batch = []
-    for task in ledger.take_tasks():
+    for task in tasks:
         job = Job(task.kind, task.keys, task.slot_ids, tier=task.tier)
         jobs[job.job_id] = task.task_id
         batch.append(job)

@@ -1,0 +1,1 @@
+"""Integrations of the engine into serving stacks."""

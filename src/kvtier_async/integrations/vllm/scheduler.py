@@ -1,0 +1,537 @@
+"""The connector's scheduler role: the ledger on vLLM's scheduler thread, tier I/O on a loop.
+
+Per step, vLLM calls (on its scheduler thread, never blocked here):
+
+- ``get_num_new_matched_tokens``: apply finished work, then walk the request's offload keys
+  from its first block not computed locally. A tier that has not answered makes the answer
+  None ("ask again"), and so does a job of the request still in flight. Hits are pinned at
+  once (the pins wait for ``update_state_after_alloc``, or are released when the request is
+  asked again or ends), and loaded asynchronously.
+- ``update_state_after_alloc``: pair the hit keys with the GPU blocks vLLM allocated
+  (``block_size_factor`` GPU blocks per key; the first may start inside a key's span).
+- ``build_connector_meta``: choose what to store (reference 3.1): tokens computed or
+  scheduled this step, clamped to the prompt with ``offload_prompt_only``, whole offloaded
+  blocks only, a per-request per-group cursor, hit blocks skipped (BLOCK_LEVEL), blocks
+  with id 0 skipped. Stores whose GPU blocks this step hands to another request are flushed
+  (the workers finish them before the forward pass). Then the tier work the ledger decided
+  (lookups, promotions, cascades) goes to the engine, and the loop is woken once.
+- ``update_connector_output``: a device job completes when every worker reported it.
+
+Secondary tiers run on an `Engine` inside a `ThreadedEngine`; results come back through a
+queue polled by these hooks. Only ``reset_cache`` and ``shutdown`` wait.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier_async._log import get_logger
+from kvtier_async.engine import Deferred, Engine, Job, ThreadedEngine
+from kvtier_async.ledger import (
+    CPUSpec,
+    GPUSpec,
+    LookupResult,
+    OffloadingEvent,
+    PrimaryLedger,
+    StorePolicy,
+    TieringLedger,
+    TierTask,
+    make_offload_key,
+    split_offload_key,
+)
+from kvtier_async.memory import SharedRegion
+from kvtier_async.tiers.base import SecondaryTier, TierContext, make_tier
+
+from .config import ConnectorConfig
+from .layout import OffloadLayout
+from .metadata import DeviceJob, KVTierMetadata, KVTierWorkerMetadata
+
+__all__ = ["ConnectorScheduler"]
+
+log = get_logger(__name__)
+
+
+@dataclass
+class _DeviceJobState:
+    req_id: str
+    keys: list[bytes]
+    is_store: bool
+    pending: int
+    blocks: list[int]
+    failed: bool = False
+
+
+@dataclass
+class _Request:
+    req: Any  # vllm.v1.request.Request
+    keys: list[list[bytes]]  # per group, per offloaded block
+    block_ids: list[list[int]]  # per group, the request's GPU block table
+    cursor: list[int]  # per group: offloaded blocks considered for storing
+    jobs: set[int] = field(default_factory=set)
+    pinned: list[bytes] = field(default_factory=list)  # hits pinned, not yet loading
+    num_local_tokens: int = 0
+    finished: bool = False
+
+
+class ConnectorScheduler:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> None:
+        self.config = config
+        self.layout = OffloadLayout.from_vllm(vllm_config, kv_cache_config, config)
+        layout = self.layout
+        self.instance_id = layout.instance_id
+        primary = PrimaryLedger(
+            layout.num_slots,
+            policy=config.eviction_policy,
+            store_threshold=config.store_threshold,
+            max_tracker_size=config.max_tracker_size,
+        )
+        ctx = TierContext(
+            block_bytes=layout.block_span_bytes,
+            model=layout.model,
+            block_tokens=layout.chunk_tokens,
+            dtype=layout.dtype,
+            kv_layout=layout.kv_layout,
+            tp_size=layout.tp_size,
+            pp_size=layout.pp_size,
+            instance_id=layout.instance_id,
+        )
+        tiers = [
+            make_tier(t, ctx, f"kv_connector_extra_config.secondary_tiers[{i}]")
+            for i, t in enumerate(config.secondary_tiers)
+        ]
+        self.ledger = TieringLedger(
+            primary, [t.name for t in tiers], store_policy=StorePolicy(config.store_policy)
+        )
+        self._reqs: dict[str, _Request] = {}
+        self._jobs: dict[int, _DeviceJobState] = {}
+        self._job_ids = itertools.count(1)
+        self._stale_below = 0  # device jobs from before a reset_cache are ignored
+        self._block_jobs: dict[int, set[int]] = {}  # GPU block -> store jobs reading it
+        self._step_loads: dict[int, DeviceJob] = {}
+        self._step_allocated: set[int] = set()
+        self._tier_jobs: dict[int, TierTask] = {}  # engine job id -> ledger task
+        self._deferred: list[Job] = []
+        self._region: SharedRegion | None = None
+        self._threaded: ThreadedEngine | None = None
+        if tiers:
+            self._start_tiers(tiers)
+
+    # --- the tier engine --------------------------------------------------------------
+
+    def _start_tiers(self, tiers: list[SecondaryTier]) -> None:
+        layout = self.layout
+        self._region = SharedRegion(
+            layout.instance_id,
+            layout.num_slots,
+            layout.slot_bytes,
+            num_workers=layout.num_workers,
+            worker_rank=0,
+            directory=self.config.region_dir,
+            wait_timeout_s=self.config.wait_timeout_s,
+        )
+        rows = self._region.rows.cast("B")
+        span = layout.row_bytes * layout.num_workers
+
+        def block_view(slot: int) -> memoryview:
+            return rows[slot * span : (slot + 1) * span]
+
+        def make() -> Engine:
+            return Engine(tiers, block_view, queue_depth=self.config.queue_depth)
+
+        self._threaded = ThreadedEngine(make).__enter__()
+        log.info(
+            "kvtier connector tiers started",
+            tiers=[t.name for t in tiers],
+            slots=layout.num_slots,
+            instance=layout.instance_id,
+        )
+
+    def _drain_tier_results(self) -> None:
+        threaded = self._threaded
+        if threaded is None:
+            return
+        for item in threaded.poll():
+            if isinstance(item, Deferred):
+                self._deferred.append(item.job)
+                continue
+            task = self._tier_jobs.pop(item.job_id, None)
+            if task is not None:
+                self.ledger.apply(task.task_id, item.ok)
+
+    def _submit_tier_work(self) -> None:
+        threaded = self._threaded
+        if threaded is None:
+            return
+        jobs, self._deferred = self._deferred, []
+        for task in self.ledger.take_tasks():
+            job = Job(task.kind, task.keys, task.slot_ids, tier=task.tier)
+            self._tier_jobs[job.job_id] = task
+            jobs.append(job)
+        threaded.submit(jobs, wake=False)
+        threaded.wake()
+
+    # --- lookups ----------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        groups = len(self.layout.groups)
+        self._reqs[request.request_id] = _Request(
+            request, [[] for _ in range(groups)], [[] for _ in range(groups)], [0] * groups
+        )
+
+    def _state(self, request: Any) -> _Request:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            self.on_new_request(request)
+            st = self._reqs[request.request_id]
+        return st
+
+    def _update_keys(self, st: _Request) -> None:
+        hashes, factor = st.req.block_hashes, self.layout.factor
+        for g, group in enumerate(self.layout.groups):
+            keys = st.keys[g]
+            for i in range((len(keys) + 1) * factor - 1, len(hashes), factor):
+                keys.append(make_offload_key(bytes(hashes[i]), group))
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self._drain_tier_results()
+        st = self._state(request)
+        self._unpin(st)
+        st.block_ids = [[] for _ in st.block_ids]
+        st.cursor = [0] * len(st.cursor)  # (re)starting: offer every block again
+        if st.jobs:
+            return None, False
+        self._update_keys(st)
+        st.num_local_tokens = num_computed_tokens
+        chunk = self.layout.chunk_tokens
+        first = num_computed_tokens // chunk
+        # At least one token must be left to compute: never the request's last token.
+        last = min(len(st.keys[0]), (request.num_tokens - 1) // chunk)
+        hits, pending = self._walk(st, first, last)
+        if pending:
+            return None, False
+        end_tokens = (first + hits) * chunk
+        if hits == 0 or end_tokens <= num_computed_tokens:
+            return 0, False
+        keys = self._chunk_keys(st, first, first + hits)
+        self.ledger.prepare_load(keys)
+        st.pinned = keys
+        self.ledger.touch(keys, request.request_id)
+        return end_tokens - num_computed_tokens, True
+
+    def _walk(self, st: _Request, first: int, last: int) -> tuple[int, bool]:
+        """Leading fully-hit offloaded blocks in [first, last), and whether any key before
+        the first miss has no answer yet (it was queued for a batched lookup)."""
+        hits, pending, req_id = 0, False, st.req.request_id
+        lookup = self.ledger.lookup
+        for c in range(first, last):
+            results = [lookup(keys[c], req_id) for keys in st.keys]
+            if LookupResult.MISS in results:
+                break
+            if all(r is LookupResult.HIT for r in results):
+                hits += not pending
+            else:
+                pending = True
+        return hits, pending
+
+    def _chunk_keys(self, st: _Request, start: int, end: int) -> list[bytes]:
+        return [key for keys in st.keys for key in keys[start:end]]
+
+    def _unpin(self, st: _Request) -> None:
+        if st.pinned:
+            self.ledger.complete_load(st.pinned)
+            st.pinned = []
+
+    # --- loads ------------------------------------------------------------------------
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        for group_blocks in blocks.blocks:
+            self._step_allocated.update(b.block_id for b in group_blocks if b.block_id)
+        if num_external_tokens == 0:
+            return
+        st = self._state(request)
+        layout = self.layout
+        cached = st.num_local_tokens + num_external_tokens
+        first_chunk = st.num_local_tokens // layout.chunk_tokens
+        end_chunk = cached // layout.chunk_tokens
+        keys = self._chunk_keys(st, first_chunk, end_chunk)
+        slots = self._take_pins(st, keys)
+        first_gpu = st.num_local_tokens // layout.gpu_block_size
+        end_gpu = cached // layout.gpu_block_size
+        ids: list[int] = []
+        for group in layout.groups:
+            ids += [b.block_id for b in blocks.blocks[group][first_gpu:end_gpu]]
+        spec = GPUSpec.of(
+            ids,
+            [end_gpu - first_gpu] * len(layout.groups),
+            [first_gpu % layout.factor] * len(layout.groups),
+        )
+        job_id = self._new_job(st, keys, is_store=False, blocks=ids)
+        self._step_loads[job_id] = DeviceJob(request.request_id, spec, CPUSpec.of(slots), False)
+        if self.ledger.store_policy is StorePolicy.BLOCK_LEVEL:
+            st.cursor = [max(c, end_chunk) for c in st.cursor]
+
+    def _take_pins(self, st: _Request, keys: list[bytes]) -> list[int]:
+        """Hand the pins of ``keys`` to a load job; release the other pins."""
+        wanted = set(keys)
+        extra = [key for key in st.pinned if key not in wanted]
+        if extra:
+            self.ledger.complete_load(extra)
+        st.pinned = []
+        slots = [self.ledger.primary.slot_of(key) for key in keys]
+        if any(s is None for s in slots):
+            raise RuntimeError("a pinned key left the CPU tier")  # pins prevent this
+        return [int(s) for s in slots if s is not None]
+
+    def _new_job(
+        self, st: _Request, keys: list[bytes], *, is_store: bool, blocks: list[int]
+    ) -> int:
+        job_id = next(self._job_ids)
+        self._jobs[job_id] = _DeviceJobState(
+            st.req.request_id, keys, is_store, self.layout.num_workers, blocks
+        )
+        st.jobs.add(job_id)
+        if is_store:
+            for block in blocks:
+                self._block_jobs.setdefault(block, set()).add(job_id)
+        return job_id
+
+    # --- the end of a step: stores, flushes, tier work -------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        self._drain_tier_results()
+        self._update_block_tables(scheduler_output)
+        flush = self._jobs_to_flush(scheduler_output)
+        stores: dict[int, DeviceJob] = {}
+        finished = set(scheduler_output.finished_req_ids or ())
+        for req_id in itertools.chain(scheduler_output.num_scheduled_tokens, finished):
+            st = self._reqs.get(req_id)
+            if st is not None:
+                self._build_store(st, scheduler_output.num_scheduled_tokens.get(req_id, 0), stores)
+        for job_id, job in stores.items():
+            # A finished request's blocks were freed; if this step hands one to another
+            # request, its store must be done before the forward pass writes there.
+            st = self._reqs[job.req_id]
+            if st.req.is_finished() and not self._step_allocated.isdisjoint(
+                job.gpu.block_ids.tolist()
+            ):
+                flush.add(job_id)
+        for req_id in finished:
+            self._finish(req_id)
+        meta = KVTierMetadata(self._step_loads, stores, flush)
+        self._step_loads, self._step_allocated = {}, set()
+        self._submit_tier_work()
+        return meta
+
+    def _update_block_tables(self, out: Any) -> None:
+        for data in out.scheduled_new_reqs:
+            self._set_blocks(data.req_id, data.block_ids, full=True)
+        cached = out.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            self._set_blocks(req_id, new_ids, full=req_id in resumed)
+
+    def _set_blocks(self, req_id: str, groups: Sequence[list[int]] | None, *, full: bool) -> None:
+        st = self._reqs.get(req_id)
+        if st is None or groups is None:
+            return
+        for g, group in enumerate(self.layout.groups):
+            if full:
+                st.block_ids[g] = list(groups[group])
+            else:
+                st.block_ids[g].extend(groups[group])
+            self._step_allocated.update(b for b in groups[group] if b)
+
+    def _jobs_to_flush(self, out: Any) -> set[int]:
+        """In-flight stores of preempted requests, and stores reading a GPU block that this
+        step hands to a request: the workers finish them before the forward pass."""
+        flush: set[int] = set()
+        for req_id in out.preempted_req_ids or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                flush |= {j for j in st.jobs if self._jobs[j].is_store}
+        for block in self._step_allocated:
+            flush |= self._block_jobs.get(block, set())
+        return flush
+
+    def _build_store(self, st: _Request, num_scheduled: int, stores: dict[int, DeviceJob]) -> None:
+        req, layout = st.req, self.layout
+        self._update_keys(st)
+        if req.is_finished():
+            tokens = max(req.num_prompt_tokens, req.num_tokens - 1)
+            tokens = min(tokens, req.num_computed_tokens) if _aborted(req) else tokens
+        else:
+            tokens = req.num_computed_tokens + num_scheduled
+        if self.config.offload_prompt_only:
+            tokens = min(tokens, req.num_prompt_tokens)
+        chunks = min(
+            tokens // layout.chunk_tokens,
+            min(len(ids) for ids in st.block_ids) // layout.factor,
+            min(len(keys) for keys in st.keys),
+        )
+        offer: list[bytes] = []
+        for g in range(len(layout.groups)):
+            for c in range(st.cursor[g], chunks):
+                ids = st.block_ids[g][c * layout.factor : (c + 1) * layout.factor]
+                if all(ids):  # a block id 0 is a hole (sliding window): unreachable
+                    offer.append(st.keys[g][c])
+        if not offer:
+            st.cursor = [max(c, chunks) for c in st.cursor]
+            return
+        out = self.ledger.prepare_store(offer, req.request_id)
+        if out is None:
+            log.warning(
+                "no room in the CPU tier for a store; retried next step",
+                req_id=req.request_id,
+                blocks=len(offer),
+            )
+            return
+        st.cursor = [max(c, chunks) for c in st.cursor]
+        if out.keys_to_store:
+            self._add_store(st, out.keys_to_store, out.store_spec, stores)
+
+    def _add_store(
+        self, st: _Request, keys: list[bytes], cpu: CPUSpec, stores: dict[int, DeviceJob]
+    ) -> None:
+        layout = self.layout
+        position = {
+            key: (g, c) for g, group_keys in enumerate(st.keys) for c, key in enumerate(group_keys)
+        }
+        ids: list[int] = []
+        sizes = [0] * len(layout.groups)
+        for key in keys:  # keys_to_store keeps the offered order: group by group
+            g, c = position[key]
+            ids += st.block_ids[g][c * layout.factor : (c + 1) * layout.factor]
+            sizes[g] += layout.factor
+        job_id = self._new_job(st, list(keys), is_store=True, blocks=ids)
+        spec = GPUSpec.of(ids, sizes, [0] * len(sizes))
+        stores[job_id] = DeviceJob(st.req.request_id, spec, cpu, True)
+
+    def _finish(self, req_id: str) -> None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        st.finished = True
+        if not st.jobs:
+            self._forget(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        st = self._reqs.pop(req_id)
+        self._unpin(st)
+        self.ledger.request_finished(req_id)
+
+    # --- results ----------------------------------------------------------------------
+
+    def update_connector_output(self, output: Any) -> None:
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVTierWorkerMetadata):
+            for job_id, count in meta.completed.items():
+                self._job_reported(job_id, count, job_id in meta.failed)
+        self._drain_tier_results()
+
+    def _job_reported(self, job_id: int, count: int, failed: bool) -> None:
+        job = self._jobs.get(job_id) if job_id >= self._stale_below else None
+        if job is None:
+            return
+        job.pending -= count
+        job.failed |= failed
+        if job.pending > 0:
+            return
+        del self._jobs[job_id]
+        if job.is_store:
+            self.ledger.complete_store(job.keys, success=not job.failed)
+            for block in job.blocks:
+                readers = self._block_jobs.get(block)
+                if readers is not None:
+                    readers.discard(job_id)
+                    if not readers:
+                        del self._block_jobs[block]
+        else:
+            self.ledger.complete_load(job.keys)
+        st = self._reqs.get(job.req_id)
+        if st is not None:
+            st.jobs.discard(job_id)
+            if st.finished and not st.jobs:
+                self._forget(job.req_id)
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """GPU blocks are freed at once: pending stores are flushed if they get reused."""
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            self._unpin(st)
+        return False, None
+
+    def has_pending_work(self) -> bool:
+        threaded = self._threaded
+        return bool(
+            self._jobs
+            or self._deferred
+            or self.ledger.has_pending_work()
+            or (threaded is not None and threaded.has_pending_work())
+        )
+
+    def take_events(self) -> list[OffloadingEvent]:
+        return self.ledger.take_events()
+
+    def reset_cache(self) -> set[int]:
+        """Drain the tiers, forget in-flight device jobs (the workers are told to flush
+        them), clear the CPU tier; returns the device jobs to flush."""
+        threaded = self._threaded
+        if threaded is not None:
+            while self.ledger.outstanding() or self._deferred:
+                self._submit_tier_work()
+                threaded.drain(self.config.wait_timeout_s)
+                self._drain_tier_results()
+        flushed = set(self._jobs)
+        self._jobs.clear()
+        self._block_jobs.clear()
+        self._stale_below = next(self._job_ids)
+        for st in self._reqs.values():
+            st.jobs.clear()
+            st.pinned = []
+            st.cursor = [0] * len(st.cursor)
+        self.ledger.reset()
+        for req_id in [r for r, st in self._reqs.items() if st.finished]:
+            self._forget(req_id)
+        return flushed
+
+    def shutdown(self) -> None:
+        threaded, self._threaded = self._threaded, None
+        if threaded is not None:
+            threaded.close()
+        region, self._region = self._region, None
+        if region is not None:
+            region.close()
+
+
+def _aborted(req: Any) -> bool:
+    return str(getattr(req.status, "name", "")) == "FINISHED_ABORTED"
+
+
+def events_to_vllm(events: Iterable[OffloadingEvent], block_size: int) -> list[Any]:
+    """Our events as vLLM KV events (BlockStored / BlockRemoved), per medium."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    out: list[Any] = []
+    for event in events:
+        hashes: list[Any] = [split_offload_key(key)[0] for key in event.keys]
+        medium = event.tier or event.medium.value
+        if event.removed:
+            out.append(BlockRemoved(block_hashes=hashes, medium=medium))
+        else:
+            out.append(
+                BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=block_size,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                )
+            )
+    return out

@@ -1,0 +1,183 @@
+"""The connector's worker role: canonical KV views, the CPU region's rows, device jobs.
+
+The V2 model runner calls, per step: ``handle_preemptions`` (stores deferred from the last
+step are submitted, and the jobs the scheduler asks to flush are waited for: their GPU
+blocks are about to be overwritten), ``start_load_kv`` (this step's loads), the per-layer
+hooks (free here), ``wait_for_save`` (this step's stores are deferred to the next step's
+start so they never delay sampling), then ``get_finished`` / ``get_block_ids_with_load_errors``
+/ ``build_connector_worker_meta``, which only poll: a load is reported in
+``finished_recving`` only once its bytes are in the GPU blocks.
+
+Copies run as device jobs of an `Engine` on a background loop (`ThreadedEngine`), through
+`kvtier_async.transfer`'s handlers (CUDA streams and the event bridge on a GPU, worker
+threads on CPU tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier_async._log import get_logger
+from kvtier_async.engine import Deferred, Engine, Job, ThreadedEngine
+from kvtier_async.ledger import JobKind
+from kvtier_async.memory import SharedRegion
+from kvtier_async.transfer.canonical import canonicalize
+from kvtier_async.transfer.handlers import TransferRouter
+
+from .config import ConnectorConfig
+from .layout import OffloadLayout
+from .metadata import DeviceJob, KVTierMetadata, KVTierWorkerMetadata
+
+__all__ = ["ConnectorWorker"]
+
+log = get_logger(__name__)
+
+
+class ConnectorWorker:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> None:
+        self.config = config
+        self.layout = OffloadLayout.from_vllm(vllm_config, kv_cache_config, config)
+        self._num_blocks = int(kv_cache_config.num_blocks)
+        self._region: SharedRegion | None = None
+        self._router: TransferRouter | None = None
+        self._threaded: ThreadedEngine | None = None
+        self._deferred_stores: dict[int, DeviceJob] = {}
+        self._inflight: dict[int, tuple[int, DeviceJob]] = {}  # engine job id -> (ours, job)
+        self._retry: list[Job] = []
+        self._meta = KVTierWorkerMetadata()
+        self._recving: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    # --- set-up -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        layout = self.layout
+        kv = canonicalize(
+            kv_caches, [list(names) for names in layout.group_layers], num_blocks=self._num_blocks
+        )
+        slot_bytes = kv.slot_layout(layout.factor).slot_bytes
+        if slot_bytes != layout.slot_bytes:
+            raise ValueError(
+                f"the KV caches need {slot_bytes} bytes per offloaded block, the "
+                f"KV-cache config says {layout.slot_bytes}:\n{kv.describe()}"
+            )
+        self._region = SharedRegion(
+            layout.instance_id,
+            layout.num_slots,
+            layout.slot_bytes,
+            num_workers=layout.num_workers,
+            worker_rank=layout.rank,
+            directory=self.config.region_dir,
+            wait_timeout_s=self.config.wait_timeout_s,
+        )
+        if kv.device.type == "cuda":
+            self._region.register_cuda()
+        router = TransferRouter.create(kv, self._region, block_size_factor=layout.factor)
+        self._router = router
+
+        async def run(job: Job) -> tuple[Sequence[bool], int]:
+            device: DeviceJob = job.payload
+            src, dst = (device.gpu, device.cpu) if device.is_store else (device.cpu, device.gpu)
+            result = await router.transfer(src, dst)
+            return (True,) * len(job.keys), result.bytes
+
+        def make() -> Engine:
+            return Engine(
+                [], lambda slot: memoryview(b""), device=run, queue_depth=self.config.queue_depth
+            )
+
+        self._threaded = ThreadedEngine(make).__enter__()
+        log.info(
+            "kvtier connector worker ready",
+            rank=layout.rank,
+            slots=layout.num_slots,
+            views=len(kv.views),
+        )
+
+    # --- per step ---------------------------------------------------------------------
+
+    def handle_preemptions(self, meta: KVTierMetadata) -> None:
+        """Submit last step's stores and any flushed now; wait for the flushed jobs."""
+        for job_id in meta.jobs_to_flush:
+            job = meta.store_jobs.pop(job_id, None)
+            if job is not None:
+                self._deferred_stores[job_id] = job
+        self._submit(self._deferred_stores)
+        self._deferred_stores = {}
+        if meta.jobs_to_flush and self._threaded is not None:
+            self._threaded.drain(self.config.wait_timeout_s)
+
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
+        self._submit(self._deferred_stores)
+        self._deferred_stores = {}
+        self._submit(meta.load_jobs)
+
+    def wait_for_save(self, meta: KVTierMetadata) -> None:
+        """Defer this step's stores to the start of the next step."""
+        self._deferred_stores.update(meta.store_jobs)
+
+    def _submit(self, jobs: dict[int, DeviceJob]) -> None:
+        threaded = self._threaded
+        if threaded is None or (not jobs and not self._retry):
+            return
+        batch, self._retry = self._retry, []
+        for job_id, device in jobs.items():
+            kind = JobKind.STORE if device.is_store else JobKind.LOAD
+            job = Job(kind, (b"",) * len(device.cpu), device)
+            self._inflight[job.job_id] = (job_id, device)
+            batch.append(job)
+        threaded.submit(batch)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose loads finished (their bytes are in place); never waits."""
+        self._collect()
+        recving, self._recving = self._recving, set()
+        return None, recving or None
+
+    def _collect(self) -> None:
+        threaded = self._threaded
+        if threaded is None:
+            return
+        for item in threaded.poll():
+            if isinstance(item, Deferred):
+                self._retry.append(item.job)
+                continue
+            job_id, device = self._inflight.pop(item.job_id)
+            self._meta.completed[job_id] = self._meta.completed.get(job_id, 0) + 1
+            if item.error is not None:
+                self._meta.failed.add(job_id)
+                log.warning(
+                    "device job failed",
+                    job_id=job_id,
+                    store=device.is_store,
+                    error=repr(item.error),
+                )
+            if not device.is_store:
+                self._recving.add(device.req_id)
+                if item.error is not None:
+                    self._load_errors.update(int(b) for b in device.gpu.block_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._collect()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        self._collect()
+        meta = self._meta
+        if not meta.completed:
+            return None
+        self._meta = KVTierWorkerMetadata()
+        return meta
+
+    def shutdown(self) -> None:
+        threaded, self._threaded = self._threaded, None
+        if threaded is not None:
+            threaded.close()
+        router, self._router = self._router, None
+        if router is not None:
+            router.close()
+        region, self._region = self._region, None
+        if region is not None:
+            region.close()
