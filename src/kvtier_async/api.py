@@ -15,7 +15,6 @@ a contiguous torch tensor (CPU here, or CUDA), a numpy array, a bytearray.
 from __future__ import annotations
 
 import functools
-import gc
 import os
 import secrets
 from collections.abc import Hashable, Mapping, Sequence
@@ -39,7 +38,7 @@ from kvtier_async.ledger import (
     TieringLedger,
 )
 from kvtier_async.ledger.tiering import StorePolicy, TierTask
-from kvtier_async.memory import RegionInUseError, SharedRegion
+from kvtier_async.memory import SharedRegion, close_region
 from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics, make_tier
 
 __all__ = ["CacheConfig", "CacheStats", "StoreResult", "TieredKVCache"]
@@ -210,7 +209,7 @@ class TieredKVCache:
         region, self._region, self._slots = self._region, None, None
         if region is not None:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_close_region, region)
+                await anyio.to_thread.run_sync(close_region, region)
 
     def _block_view(self, slot: int) -> memoryview:
         assert self._region is not None
@@ -422,22 +421,6 @@ class TieredKVCache:
             self._lookups,
             self._lookup_hits,
         )
-
-
-def _close_region(region: SharedRegion) -> None:
-    """Unlink and unmap; views still held by a traceback of a cancelled job are dropped by a
-    collection, and if some survive the mapping goes with the last of them."""
-    try:
-        region.close()
-    except RegionInUseError:
-        gc.collect()
-        try:
-            region.close()
-        except RegionInUseError:
-            log.warning(
-                "region views outlive the cache; unmapped when the last one goes",
-                path=str(region.path),
-            )
 
 
 def _as_bytes(block: Any, block_bytes: int, index: int, writable: bool) -> Any:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import gc
 import math
 import mmap
 import operator
@@ -73,6 +74,7 @@ __all__ = [
     "RegionLayoutError",
     "SharedRegion",
     "StaleRegionError",
+    "close_region",
     "find_stale_regions",
     "region_path",
     "remove_stale_regions",
@@ -429,6 +431,25 @@ class SharedRegion:
 
 
 # -- stale regions -------------------------------------------------------------
+
+
+def close_region(region: SharedRegion) -> bool:
+    """Close ``region``; views still held by dead frames (a cancelled job's traceback) are
+    dropped by a collection first. Returns False, leaving the mapping to go with its last
+    view, if some survive (the file is unlinked either way)."""
+    try:
+        region.close()
+    except RegionInUseError:
+        gc.collect()
+        try:
+            region.close()
+        except RegionInUseError:
+            log.warning(
+                "region views outlive their owner; unmapped with the last one",
+                path=str(region.path),
+            )
+            return False
+    return True
 
 
 def find_stale_regions(

@@ -805,6 +805,7 @@ class VllmHarness:
         enable_prefix_caching: bool = True,
         async_scheduling: bool = False,
         kv_role: KVRole = "kv_both",
+        kv_load_failure_policy: Literal["recompute", "fail"] = "fail",
         verify: Verify = "full",
         offload_delay_steps: int = 1,
         offload_copy_at: Literal["submit", "complete"] = "complete",
@@ -834,6 +835,7 @@ class VllmHarness:
             connector=connector,
             connector_module_path=connector_module_path,
             kv_role=kv_role,
+            kv_load_failure_policy=kv_load_failure_policy,
             extra_config=dict(extra_config or {}),
         )
         specs: dict[str, KVCacheSpec] = {
@@ -1185,6 +1187,7 @@ def _vllm_config(
     connector: str | None,
     connector_module_path: str | None,
     kv_role: KVRole,
+    kv_load_failure_policy: Literal["recompute", "fail"],
     extra_config: dict[str, Any],
 ) -> VllmConfig:
     model_config = ModelConfig(
@@ -1214,6 +1217,7 @@ def _vllm_config(
             kv_connector_module_path=connector_module_path,
             kv_role=kv_role,
             kv_connector_extra_config=extra_config,
+            kv_load_failure_policy=kv_load_failure_policy,
         )
     return VllmConfig(
         model_config=model_config,

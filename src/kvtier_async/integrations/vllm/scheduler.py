@@ -42,7 +42,7 @@ from kvtier_async.ledger import (
     make_offload_key,
     split_offload_key,
 )
-from kvtier_async.memory import SharedRegion
+from kvtier_async.memory import SharedRegion, close_region
 from kvtier_async.tiers.base import SecondaryTier, TierContext, make_tier
 
 from .config import ConnectorConfig
@@ -74,6 +74,7 @@ class _Request:
     pinned: list[bytes] = field(default_factory=list)  # hits pinned, not yet loading
     num_local_tokens: int = 0
     finished: bool = False
+    load_failed: bool = False  # then the request recomputes instead of loading again
 
 
 class ConnectorScheduler:
@@ -205,6 +206,8 @@ class ConnectorScheduler:
         st.cursor = [0] * len(st.cursor)  # (re)starting: offer every block again
         if st.jobs:
             return None, False
+        if st.load_failed:
+            return 0, False
         self._update_keys(st)
         st.num_local_tokens = num_computed_tokens
         chunk = self.layout.chunk_tokens
@@ -455,6 +458,7 @@ class ConnectorScheduler:
         st = self._reqs.get(job.req_id)
         if st is not None:
             st.jobs.discard(job_id)
+            st.load_failed |= job.failed and not job.is_store
             if st.finished and not st.jobs:
                 self._forget(job.req_id)
 
@@ -500,12 +504,12 @@ class ConnectorScheduler:
         return flushed
 
     def shutdown(self) -> None:
-        threaded, self._threaded = self._threaded, None
-        if threaded is not None:
-            threaded.close()
+        if self._threaded is not None:
+            self._threaded.close()  # then dropped: its engine holds views of the region
+            self._threaded = None
         region, self._region = self._region, None
         if region is not None:
-            region.close()
+            close_region(region)
 
 
 def _aborted(req: Any) -> bool:

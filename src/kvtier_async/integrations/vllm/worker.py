@@ -21,7 +21,7 @@ from typing import Any
 from kvtier_async._log import get_logger
 from kvtier_async.engine import Deferred, Engine, Job, ThreadedEngine
 from kvtier_async.ledger import JobKind
-from kvtier_async.memory import SharedRegion
+from kvtier_async.memory import SharedRegion, close_region
 from kvtier_async.transfer.canonical import canonicalize
 from kvtier_async.transfer.handlers import TransferRouter
 
@@ -172,12 +172,12 @@ class ConnectorWorker:
         return meta
 
     def shutdown(self) -> None:
-        threaded, self._threaded = self._threaded, None
-        if threaded is not None:
-            threaded.close()
-        router, self._router = self._router, None
-        if router is not None:
-            router.close()
+        if self._threaded is not None:
+            self._threaded.close()
+            self._threaded = None
+        if self._router is not None:
+            self._router.close()  # then dropped: it holds a tensor over the region
+            self._router = None
         region, self._region = self._region, None
         if region is not None:
-            region.close()
+            close_region(region)

@@ -1,0 +1,199 @@
+"""KVTierConnector inside vLLM 0.33's real Scheduler, loaded through kv_connector_module_path,
+with its worker role driven in the V2 runner's order by a fake model that checks every KV
+byte it reads (cache hits and loads alike)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import vllm_harness as vh
+from vllm_harness import OURS, random_tokens, shared_prefix_requests
+
+pytestmark = pytest.mark.vllm
+pytest_plugins = ["conftest_s3"]
+
+TRACE = shared_prefix_requests(seed=7, num_requests=40)
+SMALL_GPU: dict[str, Any] = {"num_gpu_blocks": 48, "max_num_batched_tokens": 256}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm() -> None:
+    pytest.importorskip("vllm")
+    vh.load()
+
+
+def ours(**extra: Any) -> dict[str, Any]:
+    config = {**OURS["extra_config"], **extra}
+    if "secondary_tiers" in extra:
+        config["spec_name"] = "TieringOffloadingSpec"
+    return {**OURS, "extra_config": config}
+
+
+def evict_gpu_prefix_cache(h: Any, seed: int = 1) -> None:
+    """Run unrelated requests until every GPU block has been reallocated."""
+    rng = random.Random(seed)
+    for i in range(-(-h.num_gpu_blocks // 8) + 1):
+        h.add_request(f"filler-{seed}-{i}", random_tokens(rng, 8 * 16 + 3), max_tokens=2)
+        h.run_until_done()
+
+
+def ledger(h: Any) -> Any:
+    return h.connector.scheduler.ledger
+
+
+@pytest.fixture(scope="module")
+def baseline() -> dict[str, list[int]]:
+    with vh.VllmHarness(**SMALL_GPU) as h:
+        h.drive(TRACE, per_step=2)
+        return dict(h.stats.outputs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_trace_with_preemptions_gives_the_same_tokens_and_leaks_nothing(
+    baseline: dict[str, list[int]], async_scheduling: bool
+) -> None:
+    with vh.VllmHarness(**SMALL_GPU, **OURS, async_scheduling=async_scheduling) as h:
+        h.drive(TRACE, per_step=2)
+        assert h.stats.outputs == baseline
+        assert h.stats.preemptions > 0
+        assert h.stats.external_hit_tokens > 0
+        assert h.model.tokens_checked > 0
+        h.assert_no_leaks()
+        stats = ledger(h).primary.statistics()
+        assert stats.pinned == 0 and stats.writing == 0
+
+
+def test_shared_prefix_loads_the_bytes_the_model_wrote() -> None:
+    rng = random.Random(0)
+    prefix = random_tokens(rng, 100)
+    with vh.VllmHarness(num_gpu_blocks=40, **OURS) as h:
+        h.add_request("first", [*prefix, 5, 6, 7], max_tokens=4)
+        h.run_until_done()
+        evict_gpu_prefix_cache(h)
+        checked = h.model.tokens_checked
+        h.add_request("second", [*prefix, 9, 9, 9, 9], max_tokens=4)
+        h.run_until_done()
+        assert h.stats.external_hit_tokens == 96  # 6 full blocks of the shared prefix
+        assert h.model.tokens_checked - checked >= 96 * 2  # read back, byte for byte
+        h.assert_no_leaks()
+
+
+def test_block_size_factor_and_an_unaligned_start() -> None:
+    """Offloaded blocks of 2 GPU blocks; the second request has a GPU hit of 1 block, so its
+    load starts inside an offloaded block."""
+    rng = random.Random(3)
+    prefix = random_tokens(rng, 130)
+    with vh.VllmHarness(num_gpu_blocks=40, **ours(block_size=32)) as h:
+        h.add_request("first", [*prefix, 1, 2], max_tokens=2)
+        h.run_until_done()
+        evict_gpu_prefix_cache(h)
+        h.add_request("second", [*prefix, 3, 4], max_tokens=2)
+        h.run_until_done()
+        assert h.stats.external_hit_tokens == 128  # 4 offloaded blocks of 32 tokens
+        h.assert_no_leaks()
+
+
+def test_promotion_from_fs_after_the_cpu_tier_evicted_them(tmp_path: Path) -> None:
+    fs = {"type": "fs", "root_dir": str(tmp_path / "kv")}
+    rng = random.Random(5)
+    prefix = random_tokens(rng, 100)
+    # A CPU tier of 8 offloaded blocks (2 layers x K|V x 16 tokens x 2 heads x 16 x fp16 =
+    # 4 KiB each): the fillers push the prefix out of it.
+    config = ours(secondary_tiers=[fs], cpu_bytes_to_use=8 * 4096)
+    with vh.VllmHarness(num_gpu_blocks=40, **config) as h:
+        h.add_request("first", [*prefix, 5], max_tokens=2)
+        h.run_until_done()
+        evict_gpu_prefix_cache(h)
+        assert ledger(h).counters[0].cascaded >= 6
+        h.add_request("second", [*prefix, 6], max_tokens=2)
+        h.run_until_done()
+        assert h.stats.external_hit_tokens == 96
+        assert ledger(h).counters[0].promoted >= 6
+        h.assert_no_leaks()
+
+
+def test_restart_on_the_same_fs_root(tmp_path: Path) -> None:
+    fs = {"type": "fs", "root_dir": str(tmp_path / "kv")}
+    model = vh.write_model_dir(tmp_path / "model")
+    rng = random.Random(6)
+    prefix = random_tokens(rng, 100)
+    with vh.VllmHarness(num_gpu_blocks=40, model_dir=model, **ours(secondary_tiers=[fs])) as h:
+        h.add_request("first", [*prefix, 5], max_tokens=2)
+        h.run_until_done()
+        assert ledger(h).counters[0].cascaded >= 6
+    # a new scheduler and worker (new CPU tier) find the blocks on disk
+    with vh.VllmHarness(num_gpu_blocks=40, model_dir=model, **ours(secondary_tiers=[fs])) as h:
+        h.add_request("second", [*prefix, 6], max_tokens=2)
+        h.run_until_done()
+        assert h.stats.external_hit_tokens == 96
+        h.assert_no_leaks()
+
+
+def test_s3_tier_on_the_loopback_server(moto_s3: Any, s3_bucket: str, tmp_path: Path) -> None:
+    obj = moto_s3.tier_config(s3_bucket)
+    model = vh.write_model_dir(tmp_path / "model")
+    rng = random.Random(8)
+    prefix = random_tokens(rng, 100)
+    with vh.VllmHarness(num_gpu_blocks=40, model_dir=model, **ours(secondary_tiers=[obj])) as h:
+        h.add_request("first", [*prefix, 5], max_tokens=2)
+        h.run_until_done()
+        assert ledger(h).counters[0].cascaded >= 6
+    with vh.VllmHarness(num_gpu_blocks=40, model_dir=model, **ours(secondary_tiers=[obj])) as h:
+        h.add_request("second", [*prefix, 6], max_tokens=2)
+        h.run_until_done()
+        assert h.stats.external_hit_tokens == 96
+        h.assert_no_leaks()
+
+
+def test_reset_cache_clears_the_cpu_tier() -> None:
+    rng = random.Random(9)
+    prefix = random_tokens(rng, 100)
+    with vh.VllmHarness(num_gpu_blocks=40, **OURS) as h:
+        h.add_request("first", [*prefix, 5], max_tokens=2)
+        h.run_until_done()
+        assert ledger(h).primary.statistics().used >= 6
+        assert h.scheduler.reset_prefix_cache(reset_connector=True)
+        assert ledger(h).primary.statistics().used == 0
+        h.add_request("second", [*prefix, 6], max_tokens=2)
+        h.run_until_done()
+        assert h.stats.external_hit_tokens == 0  # nothing left to load: recomputed
+        h.assert_no_leaks()
+
+
+def failing_loads(h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    router = h.worker_connector.worker._router
+    transfer = router.transfer
+
+    async def failing(src: Any, dst: Any) -> Any:
+        if src.medium.value == "CPU":  # every load fails; stores work
+            raise OSError("injected load failure")
+        return await transfer(src, dst)
+
+    monkeypatch.setattr(router, "transfer", failing)
+
+
+def test_a_failed_load_is_recomputed_not_wrong(
+    monkeypatch: pytest.MonkeyPatch, baseline: dict[str, list[int]]
+) -> None:
+    with vh.VllmHarness(**SMALL_GPU, **OURS, kv_load_failure_policy="recompute") as h:
+        failing_loads(h, monkeypatch)
+        h.drive(TRACE, per_step=2)
+        assert h.stats.outputs == baseline  # the fake model checked every byte it read
+        h.assert_no_leaks()
+        assert ledger(h).primary.statistics().pinned == 0
+
+
+def test_a_failed_load_fails_the_request_under_the_fail_policy(
+    monkeypatch: pytest.MonkeyPatch, baseline: dict[str, list[int]]
+) -> None:
+    with vh.VllmHarness(**SMALL_GPU, **OURS) as h:
+        failing_loads(h, monkeypatch)
+        h.drive(TRACE, per_step=2)
+        finished = {r: t for r, t in h.stats.outputs.items() if len(t) == len(baseline[r])}
+        assert len(finished) < len(baseline)  # some requests were failed, none got wrong KV
+        assert all(baseline[r] == t for r, t in finished.items())
+        h.assert_no_leaks()
