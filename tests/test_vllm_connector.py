@@ -197,3 +197,20 @@ def test_a_failed_load_fails_the_request_under_the_fail_policy(
         assert len(finished) < len(baseline)  # some requests were failed, none got wrong KV
         assert all(baseline[r] == t for r, t in finished.items())
         h.assert_no_leaks()
+
+
+def test_events_become_vllm_kv_events() -> None:
+    from kvtier_async.integrations.vllm.scheduler import events_to_vllm
+    from kvtier_async.ledger import Medium, OffloadingEvent, make_offload_key
+
+    key = make_offload_key(b"\x01" * 8, 0)
+    stored, removed = events_to_vllm(
+        [
+            OffloadingEvent([key], Medium.CPU, removed=False),
+            OffloadingEvent([key], Medium.STORAGE, removed=True, tier="fs"),
+        ],
+        block_size=16,
+    )
+    assert type(stored).__name__ == "BlockStored" and stored.medium == "CPU"
+    assert stored.block_hashes == [b"\x01" * 8] and stored.block_size == 16
+    assert type(removed).__name__ == "BlockRemoved" and removed.medium == "fs"

@@ -36,6 +36,8 @@ class KVTierConnector(KVConnectorBase_V1):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         config = ConnectorConfig.from_extra_config(extra)
         self._block_size = int(vllm_config.cache_config.block_size)
+        events = getattr(vllm_config, "kv_events_config", None)
+        self._publish_events = bool(getattr(events, "enable_kv_cache_events", False))
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         self._pending_flush: set[int] = set()
@@ -123,7 +125,10 @@ class KVTierConnector(KVConnectorBase_V1):
         return self.scheduler.request_finished(request)
 
     def take_events(self) -> Iterable[Any]:
-        return events_to_vllm(self.scheduler.take_events(), self._block_size)
+        events = self.scheduler.take_events()
+        if not self._publish_events:
+            return ()  # KV events are off in vLLM: nothing to convert
+        return events_to_vllm(events, self._block_size)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()

@@ -363,8 +363,15 @@ class ConnectorScheduler:
 
     def _build_store(self, st: _Request, num_scheduled: int, stores: dict[int, DeviceJob]) -> None:
         req, layout = st.req, self.layout
+        finished = req.is_finished()
+        if (
+            self.config.offload_prompt_only
+            and not finished
+            and min(st.cursor) >= req.num_prompt_tokens // layout.chunk_tokens
+        ):
+            return  # decoding past a prompt whose blocks were all considered: the common case
         self._update_keys(st)
-        if req.is_finished():
+        if finished:
             tokens = max(req.num_prompt_tokens, req.num_tokens - 1)
             tokens = min(tokens, req.num_computed_tokens) if _aborted(req) else tokens
         else:
