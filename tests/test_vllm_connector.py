@@ -214,3 +214,33 @@ def test_events_become_vllm_kv_events() -> None:
     assert type(stored).__name__ == "BlockStored" and stored.medium == "CPU"
     assert stored.block_hashes == [b"\x01" * 8] and stored.block_size == 16
     assert type(removed).__name__ == "BlockRemoved" and removed.medium == "fs"
+
+
+def test_under_multiconnector_next_to_a_pd_connector(tmp_path: Path) -> None:
+    """vLLM's MultiConnector with ours first and vLLM's ExampleConnector (a P/D-style
+    connector that saves every request's KV to shared storage) second."""
+    children = [
+        {
+            "kv_connector": OURS["connector"],
+            "kv_connector_module_path": OURS["connector_module_path"],
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": OURS["extra_config"],
+        },
+        {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "pd")},
+        },
+    ]
+    rng = random.Random(11)
+    prefix = random_tokens(rng, 100)
+    with vh.VllmHarness(
+        num_gpu_blocks=40, connector="MultiConnector", extra_config={"connectors": children}
+    ) as h:
+        h.add_request("first", [*prefix, 5, 6, 7], max_tokens=4)
+        h.run_until_done()
+        evict_gpu_prefix_cache(h)
+        h.add_request("second", [*prefix, 9, 9, 9, 9], max_tokens=4)
+        h.run_until_done()
+        assert h.stats.external_hit_tokens >= 96  # loaded, and checked byte for byte
+        h.assert_no_leaks()

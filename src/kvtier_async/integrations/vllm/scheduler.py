@@ -107,6 +107,7 @@ class ConnectorScheduler:
             primary, [t.name for t in tiers], store_policy=StorePolicy(config.store_policy)
         )
         self._reqs: dict[str, _Request] = {}
+        self._settled: set[str] = set()  # running requests with nothing left to store
         self._jobs: dict[int, _DeviceJobState] = {}
         self._job_ids = itertools.count(1)
         self._stale_below = 0  # device jobs from before a reset_cache are ignored
@@ -202,6 +203,7 @@ class ConnectorScheduler:
         self._drain_tier_results()
         st = self._state(request)
         self._unpin(st)
+        self._settled.discard(request.request_id)
         st.block_ids = [[] for _ in st.block_ids]
         st.cursor = [0] * len(st.cursor)  # (re)starting: offer every block again
         if st.jobs:
@@ -311,10 +313,13 @@ class ConnectorScheduler:
         flush = self._jobs_to_flush(scheduler_output)
         stores: dict[int, DeviceJob] = {}
         finished = set(scheduler_output.finished_req_ids or ())
-        for req_id in itertools.chain(scheduler_output.num_scheduled_tokens, finished):
+        settled, scheduled = self._settled, scheduler_output.num_scheduled_tokens
+        for req_id in itertools.chain(scheduled, finished):
+            if req_id in settled and req_id not in finished:
+                continue  # its prompt's blocks were all considered: nothing to store
             st = self._reqs.get(req_id)
             if st is not None:
-                self._build_store(st, scheduler_output.num_scheduled_tokens.get(req_id, 0), stores)
+                self._build_store(st, scheduled.get(req_id, 0), stores)
         for job_id, job in stores.items():
             # A finished request's blocks were freed; if this step hands one to another
             # request, its store must be done before the forward pass writes there.
@@ -336,7 +341,8 @@ class ConnectorScheduler:
         cached = out.scheduled_cached_reqs
         resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
         for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
-            self._set_blocks(req_id, new_ids, full=req_id in resumed)
+            if new_ids is not None:
+                self._set_blocks(req_id, new_ids, full=req_id in resumed)
 
     def _set_blocks(self, req_id: str, groups: Sequence[list[int]] | None, *, full: bool) -> None:
         st = self._reqs.get(req_id)
@@ -364,12 +370,6 @@ class ConnectorScheduler:
     def _build_store(self, st: _Request, num_scheduled: int, stores: dict[int, DeviceJob]) -> None:
         req, layout = st.req, self.layout
         finished = req.is_finished()
-        if (
-            self.config.offload_prompt_only
-            and not finished
-            and min(st.cursor) >= req.num_prompt_tokens // layout.chunk_tokens
-        ):
-            return  # decoding past a prompt whose blocks were all considered: the common case
         self._update_keys(st)
         if finished:
             tokens = max(req.num_prompt_tokens, req.num_tokens - 1)
@@ -391,6 +391,7 @@ class ConnectorScheduler:
                     offer.append(st.keys[g][c])
         if not offer:
             st.cursor = [max(c, chunks) for c in st.cursor]
+            self._maybe_settle(st)
             return
         out = self.ledger.prepare_store(offer, req.request_id)
         if out is None:
@@ -403,6 +404,18 @@ class ConnectorScheduler:
         st.cursor = [max(c, chunks) for c in st.cursor]
         if out.keys_to_store:
             self._add_store(st, out.keys_to_store, out.store_spec, stores)
+        self._maybe_settle(st)
+
+    def _maybe_settle(self, st: _Request) -> None:
+        """With ``offload_prompt_only``, a running request whose cursors passed its prompt
+        has nothing more to store: later steps skip it without a call."""
+        req = st.req
+        if (
+            self.config.offload_prompt_only
+            and not req.is_finished()
+            and min(st.cursor) >= req.num_prompt_tokens // self.layout.chunk_tokens
+        ):
+            self._settled.add(req.request_id)
 
     def _add_store(
         self, st: _Request, keys: list[bytes], cpu: CPUSpec, stores: dict[int, DeviceJob]
@@ -430,6 +443,7 @@ class ConnectorScheduler:
             self._forget(req_id)
 
     def _forget(self, req_id: str) -> None:
+        self._settled.discard(req_id)
         st = self._reqs.pop(req_id)
         self._unpin(st)
         self.ledger.request_finished(req_id)
@@ -501,6 +515,7 @@ class ConnectorScheduler:
         self._jobs.clear()
         self._block_jobs.clear()
         self._stale_below = next(self._job_ids)
+        self._settled.clear()
         for st in self._reqs.values():
             st.jobs.clear()
             st.pinned = []
