@@ -52,11 +52,13 @@ def baseline() -> dict[str, list[int]]:
         return dict(h.stats.outputs)
 
 
+@pytest.mark.parametrize("copies", ["inline", "engine"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_trace_with_preemptions_gives_the_same_tokens_and_leaks_nothing(
-    baseline: dict[str, list[int]], async_scheduling: bool
+    baseline: dict[str, list[int]], async_scheduling: bool, copies: str
 ) -> None:
-    with vh.VllmHarness(**SMALL_GPU, **OURS, async_scheduling=async_scheduling) as h:
+    config = ours(worker_copies=copies)
+    with vh.VllmHarness(**SMALL_GPU, **config, async_scheduling=async_scheduling) as h:
         h.drive(TRACE, per_step=2)
         assert h.stats.outputs == baseline
         assert h.stats.preemptions > 0
@@ -166,14 +168,22 @@ def test_reset_cache_clears_the_cpu_tier() -> None:
 
 def failing_loads(h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     router = h.worker_connector.worker._router
-    transfer = router.transfer
+    transfer, execute = router.transfer, router.execute
 
-    async def failing(src: Any, dst: Any) -> Any:
+    def check(src: Any) -> None:
         if src.medium.value == "CPU":  # every load fails; stores work
             raise OSError("injected load failure")
+
+    async def failing_transfer(src: Any, dst: Any) -> Any:
+        check(src)
         return await transfer(src, dst)
 
-    monkeypatch.setattr(router, "transfer", failing)
+    def failing_execute(src: Any, dst: Any) -> Any:
+        check(src)
+        return execute(src, dst)
+
+    monkeypatch.setattr(router, "transfer", failing_transfer)
+    monkeypatch.setattr(router, "execute", failing_execute)
 
 
 def test_a_failed_load_is_recomputed_not_wrong(

@@ -19,7 +19,14 @@ __all__ = ["ConnectorConfig"]
 log = get_logger(__name__)
 
 SPECS = ("TieringOffloadingSpec", "CPUOffloadingSpec")
-_OURS = ("store_policy", "instance_id", "region_dir", "queue_depth", "wait_timeout_s")
+_OURS = (
+    "store_policy",
+    "instance_id",
+    "region_dir",
+    "queue_depth",
+    "wait_timeout_s",
+    "worker_copies",
+)
 _VLLM = (
     "spec_name",
     "cpu_bytes_to_use",
@@ -56,6 +63,7 @@ class ConnectorConfig:
     region_dir: str
     queue_depth: int
     wait_timeout_s: float
+    worker_copies: str
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -89,4 +97,5 @@ class ConnectorConfig:
             region_dir=s.get_str("region_dir", "/dev/shm"),
             queue_depth=s.get_int("queue_depth", 1024, low=1),
             wait_timeout_s=s.get_float("wait_timeout_s", 60.0, low=0.001),
+            worker_copies=s.get_str("worker_copies", "auto", choices=("auto", "engine", "inline")),
         )

@@ -48,6 +48,7 @@ class ConnectorWorker:
         self._meta = KVTierWorkerMetadata()
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self._inline = False
 
     # --- set-up -----------------------------------------------------------------------
 
@@ -75,6 +76,11 @@ class ConnectorWorker:
             self._region.register_cuda()
         router = TransferRouter.create(kv, self._region, block_size_factor=layout.factor)
         self._router = router
+        mode = self.config.worker_copies
+        self._inline = mode == "inline" or (mode == "auto" and kv.device.type == "cpu")
+        if self._inline:
+            log.info("kvtier connector worker ready (inline CPU copies)", rank=layout.rank)
+            return
 
         async def run(job: Job) -> tuple[Sequence[bool], int]:
             device: DeviceJob = job.payload
@@ -118,6 +124,10 @@ class ConnectorWorker:
         self._deferred_stores.update(meta.store_jobs)
 
     def _submit(self, jobs: dict[int, DeviceJob]) -> None:
+        if self._inline:
+            for job_id, device in jobs.items():
+                self._run_inline(job_id, device)
+            return
         threaded = self._threaded
         if threaded is None or (not jobs and not self._retry):
             return
@@ -144,19 +154,31 @@ class ConnectorWorker:
                 self._retry.append(item.job)
                 continue
             job_id, device = self._inflight.pop(item.job_id)
-            self._meta.completed[job_id] = self._meta.completed.get(job_id, 0) + 1
-            if item.error is not None:
-                self._meta.failed.add(job_id)
-                log.warning(
-                    "device job failed",
-                    job_id=job_id,
-                    store=device.is_store,
-                    error=repr(item.error),
-                )
-            if not device.is_store:
-                self._recving.add(device.req_id)
-                if item.error is not None:
-                    self._load_errors.update(int(b) for b in device.gpu.block_ids)
+            self._record(job_id, device, item.error)
+
+    def _run_inline(self, job_id: int, device: DeviceJob) -> None:
+        """A copy between CPU tensors, done here: on a CPU device a thread hand-off buys no
+        overlap and costs the scheduler the GIL."""
+        assert self._router is not None
+        src, dst = (device.gpu, device.cpu) if device.is_store else (device.cpu, device.gpu)
+        try:
+            self._router.execute(src, dst)
+        except Exception as exc:
+            self._record(job_id, device, exc)
+        else:
+            self._record(job_id, device, None)
+
+    def _record(self, job_id: int, device: DeviceJob, error: BaseException | None) -> None:
+        self._meta.completed[job_id] = self._meta.completed.get(job_id, 0) + 1
+        if error is not None:
+            self._meta.failed.add(job_id)
+            log.warning(
+                "device job failed", job_id=job_id, store=device.is_store, error=repr(error)
+            )
+        if not device.is_store:
+            self._recving.add(device.req_id)
+            if error is not None:
+                self._load_errors.update(int(b) for b in device.gpu.block_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._collect()
