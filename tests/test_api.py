@@ -183,22 +183,29 @@ async def test_cancel_lookup_waiting_for_a_promotion() -> None:
         assert cache.ledger.lookup(k(1), "s") is LookupResult.HIT  # the promotion landed
 
 
+def hold_device_copies(cache: TieredKVCache) -> Callable[[], Awaitable[None]]:
+    """Make the device lane's copies wait; the returned coroutine function waits until one
+    has started, then lets it finish (the job still ends cancelled if it was cancelled)."""
+    started, release = threading.Event(), threading.Event()
+    copy = cache._copy_blocks
+
+    def slow_copy(*args: Any) -> None:
+        started.set()
+        release.wait()
+        copy(*args)
+
+    cache._copy_blocks = slow_copy  # type: ignore[method-assign]
+
+    async def copying() -> None:
+        await anyio.to_thread.run_sync(started.wait)
+        release.set()
+
+    return copying
+
+
 async def test_cancel_store_during_the_device_copy_frees_its_slots() -> None:
     async with TieredKVCache(config()) as cache:
-        started, release = threading.Event(), threading.Event()
-        copy = cache._copy_blocks
-
-        def slow_copy(*args: Any) -> None:
-            started.set()
-            release.wait()
-            copy(*args)
-
-        cache._copy_blocks = slow_copy  # type: ignore[method-assign]
-
-        async def copying() -> None:
-            await anyio.to_thread.run_sync(started.wait)
-            release.set()  # the thread copy finishes; the job still ends cancelled
-
+        copying = hold_device_copies(cache)
         await cancel_when(copying, lambda: cache.store(ks(1, 2), blocks(1, 2)))
         await cache.drain()
         verify_idle(cache)
@@ -209,20 +216,7 @@ async def test_cancel_load_during_the_device_copy_releases_pins() -> None:
     async with TieredKVCache(config()) as cache:
         await cache.store(ks(1), blocks(1))
         await cache.drain()
-        started, release = threading.Event(), threading.Event()
-        copy = cache._copy_blocks
-
-        def slow_copy(*args: Any) -> None:
-            started.set()
-            release.wait()
-            copy(*args)
-
-        cache._copy_blocks = slow_copy  # type: ignore[method-assign]
-
-        async def copying() -> None:
-            await anyio.to_thread.run_sync(started.wait)
-            release.set()
-
+        copying = hold_device_copies(cache)
         out = [np.zeros(BLOCK, np.uint8)]
         await cancel_when(copying, lambda: cache.load(ks(1), out))
         await cache.drain()
