@@ -292,3 +292,26 @@ async def test_wrong_block_sizes_are_refused_before_anything_is_reserved() -> No
             await cache.store(ks(1, 2), blocks(1))
         verify_idle(cache)
         assert cache.ledger.primary.statistics().used == 0
+
+
+async def test_cancelled_while_draining_at_exit_still_closes_everything() -> None:
+    cache = TieredKVCache(config())
+    entered: list[MemoryTier] = []
+    opened = anyio.Event()
+
+    async def body() -> None:
+        async with cache:
+            tier = tier_of(cache)
+            tier.gate = anyio.Event()  # the cascade waits: the exit's drain waits for it
+            entered.append(tier)
+            opened.set()
+            await cache.store(ks(1), blocks(1))
+
+    async def draining() -> None:
+        await opened.wait()
+        await entered[0].entered.wait()
+
+    await cancel_when(draining, body)
+    assert cache._region is None and cache._engine is None
+    stats = cache.ledger.primary.statistics()
+    assert stats.pinned == 0 and stats.writing == 0

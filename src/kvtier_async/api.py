@@ -197,13 +197,15 @@ class TieredKVCache:
         """Drain (cascades finish) on a clean exit; on an error, cancel what is in flight."""
         engine = self._engine
         try:
-            if engine is not None:
-                if exc_type is None:
-                    await self.drain()
-                await engine.__aexit__(exc_type, exc, tb)
+            if engine is not None and exc_type is None:
+                await self.drain()
         finally:
             self._engine = None
-            await self._close_region()
+            try:
+                if engine is not None:  # always: its task group was entered in this task
+                    await engine.__aexit__(exc_type, exc, tb)
+            finally:
+                await self._close_region()
 
     async def _close_region(self) -> None:
         region, self._region, self._slots = self._region, None, None
