@@ -283,6 +283,11 @@ class ConnectorScheduler:
     def _take_pins(self, st: _Request, keys: list[bytes]) -> list[int]:
         """Hand the pins of ``keys`` to a load job; release the other pins."""
         wanted = set(keys)
+        if not wanted.issubset(st.pinned):
+            raise RuntimeError(
+                f"request {st.req.request_id}: vLLM asked to load more tokens "
+                "than get_num_new_matched_tokens offered"
+            )
         extra = [key for key in st.pinned if key not in wanted]
         if extra:
             self.ledger.complete_load(extra)
