@@ -233,3 +233,20 @@ async def test_a_job_for_a_missing_lane_is_refused() -> None:
     async with Engine([], lambda s: memoryview(b"")) as eng:
         with pytest.raises(ValueError, match="no lane"):
             eng.submit_nowait(job(JobKind.STORE))
+
+
+async def test_a_long_queue_of_jobs_that_never_await_all_complete() -> None:
+    """Workers run queued jobs in batches between checkpoints; none may be left behind."""
+    results: list[JobResult] = []
+
+    async def noop(job: Job) -> tuple[Sequence[bool], int]:
+        return (True,) * len(job.keys), 0
+
+    async with Engine(
+        [], lambda s: memoryview(b""), device=noop, device_workers=1, queue_depth=512
+    ) as eng:
+        for _ in range(300):
+            await eng.submit(job(results=results))
+        with anyio.fail_after(10):
+            await eng.drain()
+    assert len(results) == 300 and all(r.ok == (True,) for r in results)

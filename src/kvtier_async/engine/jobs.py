@@ -32,7 +32,7 @@ __all__ = [
 _job_ids = itertools.count(1)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Job:
     """Work for one lane. ``payload`` is the lane executor's business (specs, slot ids)."""
 
@@ -41,7 +41,7 @@ class Job:
     payload: Any = None
     tier: int = -1  # secondary tier index; -1 for device transfers
     on_done: Callable[[JobResult], None] | None = None
-    job_id: int = field(default_factory=lambda: next(_job_ids))
+    job_id: int = field(default_factory=_job_ids.__next__)
     submitted_at: float = field(default_factory=time.perf_counter)
 
 
