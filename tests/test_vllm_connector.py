@@ -123,37 +123,30 @@ def test_promotion_from_fs_after_the_cpu_tier_evicted_them(tmp_path: Path) -> No
         h.assert_no_leaks()
 
 
-def test_restart_on_the_same_fs_root(tmp_path: Path) -> None:
-    fs = {"type": "fs", "root_dir": str(tmp_path / "kv")}
-    model = vh.write_model_dir(tmp_path / "model")
-    rng = random.Random(6)
-    prefix = random_tokens(rng, 100)
-    with vh.VllmHarness(num_gpu_blocks=40, model_dir=model, **ours(secondary_tiers=[fs])) as h:
+def store_then_restart(tier: dict[str, Any], model: Path, seed: int) -> None:
+    """A request's prefix is cascaded to ``tier``; a new scheduler and worker (a new, empty
+    CPU tier) on the same tier load all 6 of its blocks from there."""
+    prefix = random_tokens(random.Random(seed), 100)
+    config = ours(secondary_tiers=[tier])
+    with vh.VllmHarness(num_gpu_blocks=40, model_dir=model, **config) as h:
         h.add_request("first", [*prefix, 5], max_tokens=2)
         h.run_until_done()
         assert ledger(h).counters[0].cascaded >= 6
-    # a new scheduler and worker (new CPU tier) find the blocks on disk
-    with vh.VllmHarness(num_gpu_blocks=40, model_dir=model, **ours(secondary_tiers=[fs])) as h:
+    with vh.VllmHarness(num_gpu_blocks=40, model_dir=model, **config) as h:
         h.add_request("second", [*prefix, 6], max_tokens=2)
         h.run_until_done()
         assert h.stats.external_hit_tokens == 96
         h.assert_no_leaks()
+
+
+def test_restart_on_the_same_fs_root(tmp_path: Path) -> None:
+    fs = {"type": "fs", "root_dir": str(tmp_path / "kv")}
+    store_then_restart(fs, vh.write_model_dir(tmp_path / "model"), seed=6)
 
 
 def test_s3_tier_on_the_loopback_server(moto_s3: Any, s3_bucket: str, tmp_path: Path) -> None:
     obj = moto_s3.tier_config(s3_bucket)
-    model = vh.write_model_dir(tmp_path / "model")
-    rng = random.Random(8)
-    prefix = random_tokens(rng, 100)
-    with vh.VllmHarness(num_gpu_blocks=40, model_dir=model, **ours(secondary_tiers=[obj])) as h:
-        h.add_request("first", [*prefix, 5], max_tokens=2)
-        h.run_until_done()
-        assert ledger(h).counters[0].cascaded >= 6
-    with vh.VllmHarness(num_gpu_blocks=40, model_dir=model, **ours(secondary_tiers=[obj])) as h:
-        h.add_request("second", [*prefix, 6], max_tokens=2)
-        h.run_until_done()
-        assert h.stats.external_hit_tokens == 96
-        h.assert_no_leaks()
+    store_then_restart(obj, vh.write_model_dir(tmp_path / "model"), seed=8)
 
 
 def test_reset_cache_clears_the_cpu_tier() -> None:
