@@ -380,6 +380,8 @@ class TieredKVCache:
     def _copy_blocks(self, slot_ids: Sequence[int], views: list[Any], to_cpu: bool) -> None:
         slots = self._slots
         assert slots is not None
+        if not all(isinstance(view, np.ndarray) for view in views):
+            import torch  # device tensors among the blocks; imported once per job
         for slot, view in zip(slot_ids, views):
             if isinstance(view, np.ndarray):
                 if to_cpu:
@@ -387,8 +389,6 @@ class TieredKVCache:
                 else:
                     view[:] = slots[slot]
             else:  # a device tensor
-                import torch
-
                 row = torch.from_numpy(slots[slot])
                 if to_cpu:
                     row.copy_(view)

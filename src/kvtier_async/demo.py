@@ -87,14 +87,14 @@ def block_keys(tokens: list[int]) -> list[bytes]:
     return keys
 
 
-def schedule(num_convs: int, turns: int, seed: int) -> Iterator[tuple[int, bool]]:
-    """Turns of all conversations interleaved: (conversation, is_last_turn)."""
+def schedule(num_convs: int, turns: int, seed: int) -> Iterator[int]:
+    """The conversation of each turn, all conversations' turns interleaved."""
     rng = random.Random(seed)
     remaining = {c: turns for c in range(num_convs)}
     while remaining:
         conv = rng.choice(sorted(remaining))
         remaining[conv] -= 1
-        yield conv, remaining[conv] == 0
+        yield conv
         if not remaining[conv]:
             del remaining[conv]
 
@@ -117,7 +117,7 @@ async def run_demo(
     start = time.perf_counter()
     async with TieredKVCache(config) as cache:
         report.tiers = [tier.name for tier in cache.tiers]
-        for conv, _last in schedule(conversations, turns, seed):
+        for conv in schedule(conversations, turns, seed):
             await _turn(cache, convs[conv], block_bytes, report)
             if progress is not None:
                 progress(report.turns, total)
@@ -201,11 +201,14 @@ def render_report(report: DemoReport) -> str:
 
 
 def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
+    if n < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB"):
+        size /= 1024
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+    return f"{size / 1024:.1f} GiB"
 
 
 class ProgressBar:

@@ -43,12 +43,6 @@ class SlotTable:
         self.slot_of: dict[bytes, int] = {}
         self.ref: list[int] = [0] * num_slots
 
-    def evictable(self, key: bytes) -> bool:
-        return self.ref[self.slot_of[key]] == 0
-
-    def ready(self, key: bytes) -> bool:
-        return self.ref[self.slot_of[key]] >= 0
-
 
 class GroupedRecency:
     """Keys in recency groups (least recent group first, prefix order inside a group)."""
