@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import mmap
 import multiprocessing
 import os
@@ -50,6 +51,29 @@ PAGE = mmap.PAGESIZE
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run every test on both I/O paths, except those marked ``single_path``: they inject
+    faults through the Python syscall seams, which only the Python path calls, or pick the
+    paths themselves."""
+    single = metafunc.definition.get_closest_marker("single_path") is not None
+    paths = ["python"] if single else ["native", "python"]
+    metafunc.parametrize("io_path", paths, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def io_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``native``: the C batch path (`kvtier_async.tiers._fsio`); ``python``: the fallback.
+    The environment variable reaches spawned processes too."""
+    path = str(request.param)
+    native = fs._fsio.native_fsio()  # cached now, before the variable below is set
+    if path == "native" and native is None:
+        pytest.skip("the native fs I/O helper cannot be built here (no C compiler?)")
+    if path == "python":
+        monkeypatch.setenv("KVTIER_NATIVE_FS", "0")
+        monkeypatch.setattr(fs, "_native_fsio", lambda: None)
+    return path
 
 
 @pytest.fixture(autouse=True)
@@ -194,6 +218,7 @@ async def test_round_trip_is_byte_exact(
     assert (stats.lookups, stats.lookup_hits) == (count, count)
 
 
+@pytest.mark.single_path
 @pytest.mark.anyio
 @pytest.mark.parametrize("publish", PUBLISH_MODES)
 async def test_disk_directory_uses_o_direct_for_loads_and_stores(
@@ -216,6 +241,37 @@ async def test_disk_directory_uses_o_direct_for_loads_and_stores(
         assert await tier.load(keys, views) == [True] * 3
     assert len(flags_seen) == 6
     assert all(flags & os.O_DIRECT for flags in flags_seen)
+
+
+def resident_bytes(paths: Sequence[Path]) -> int:
+    """Bytes of ``paths`` in the page cache, by ``fincore``."""
+    if shutil.which("fincore") is None:
+        pytest.skip("fincore (util-linux) is not installed")
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return sum(int(value) for value in out.stdout.split())
+
+
+@pytest.mark.anyio
+async def test_o_direct_bypasses_the_page_cache(disk_dir: Path, slots: Slots, io_path: str) -> None:
+    keys, views = keys_for(4), slots.make(4, 16 * PAGE)
+    async with opened(new_tier(disk_dir, 16 * PAGE)) as tier:
+        detail = tier.statistics().detail
+        assert f"path={io_path}" in detail
+        if "io=O_DIRECT" not in detail:
+            pytest.skip(f"{DISK} refuses O_DIRECT here")
+        assert await tier.store(keys, views) == [True] * 4
+        paths = [block_path(tier, key) for key in keys]
+        assert resident_bytes(paths) == 0  # buffered writes would leave 4 x 68 KiB here
+        assert await tier.load(keys, views) == [True] * 4
+        assert resident_bytes(paths) == 0
+        refused = views[0].toreadonly()
+        assert await tier.load(keys[:1], [refused]) == [False]  # never written through
+        del refused
 
 
 @pytest.mark.anyio
@@ -319,6 +375,82 @@ async def test_flipped_byte_fails_and_is_deleted(disk_dir: Path, slots: Slots, o
         await _assert_fails_and_is_gone(tier, key, view, path)
 
 
+def _craft(kind: str, key: bytes, payload: bytes) -> bytes:
+    """A damaged block file for ``key``: each kind fails one check of `fs.verify_block`."""
+    page = memoryview(bytearray(HEADER_BYTES))
+    if kind == "short length":  # a header for a payload one page shorter, full-size file
+        fs.pack_header(page, key, memoryview(payload[PAGE:]))
+        return bytes(page) + payload
+    fs.pack_header(page, key if kind != "another key" else b"k" + key[1:], memoryview(payload))
+    if kind == "foreign magic":  # another format whose header checksum is still right
+        page[:8] = b"NOTKVTB\x00"
+        page[HEADER_BYTES - 8 :] = fs.checksum(page[: HEADER_BYTES - 8]).to_bytes(8, "little")
+    data = bytearray(page) + payload
+    if kind == "header bit":
+        data[20] ^= 0x10
+    if kind == "payload bit":
+        data[-1] ^= 0x80
+    if kind == "truncated":
+        del data[HEADER_BYTES + 100 :]
+    return bytes(data)
+
+
+VERDICTS = {
+    "header bit": "header checksum mismatch",
+    "foreign magic": "not a block file of this format",
+    "short length": f"payload is {PAGE} bytes, expected {2 * PAGE}",
+    "another key": "the file belongs to another key",
+    "payload bit": "payload checksum mismatch",
+    "truncated": f"short file: read {HEADER_BYTES + 100} of {HEADER_BYTES + 2 * PAGE} bytes",
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", list(VERDICTS))
+async def test_each_damage_gets_its_own_verdict(
+    disk_dir: Path, slots: Slots, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    """Both I/O paths check the same things in the same order and say the same."""
+    async with opened(new_tier(disk_dir, 2 * PAGE)) as tier:
+        key, view, path = await _stored_block(tier, slots)
+        path.write_bytes(_craft(kind, key, bytes(view)))
+        with caplog.at_level(logging.WARNING, logger="kvtier_async.tiers.fs"):
+            await _assert_fails_and_is_gone(tier, key, view, path)
+    (record,) = [r for r in caplog.records if "unreadable" in r.getMessage()]
+    assert f"error={VERDICTS[kind]!r}" in record.getMessage()
+
+
+@pytest.mark.anyio
+@pytest.mark.single_path
+@pytest.mark.parametrize("writer", ["native", "python"])
+async def test_both_io_paths_write_the_same_files(
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    """Files written by one path load on the other, and through `fs.verify_block` (as the
+    obj tier reads them)."""
+    native = fs._fsio.native_fsio()
+    if native is None:
+        pytest.skip("the native fs I/O helper cannot be built here")
+    paths = {"native": lambda: native, "python": lambda: None}
+    reader = "python" if writer == "native" else "native"
+    keys, views = keys_for(3), slots.make(3, 3 * PAGE)
+    stored = snapshot(views)
+    monkeypatch.setattr(fs, "_native_fsio", paths[writer])
+    async with opened(new_tier(disk_dir, 3 * PAGE)) as tier:
+        assert f"path={writer}" in tier.statistics().detail
+        assert await tier.store(keys, views) == [True] * 3
+    for key, expected in zip(keys, stored, strict=True):
+        data = block_path(tier, key).read_bytes()
+        fs.verify_block(memoryview(data[:HEADER_BYTES]), key, memoryview(data[HEADER_BYTES:]))
+        assert data[HEADER_BYTES:] == expected
+    monkeypatch.setattr(fs, "_native_fsio", paths[reader])
+    async with opened(new_tier(disk_dir, 3 * PAGE)) as tier:
+        assert f"path={reader}" in tier.statistics().detail
+        wipe(views)
+        assert await tier.load(keys, views) == [True] * 3
+    assert snapshot(views) == stored
+
+
 @pytest.mark.anyio
 async def test_file_of_another_key_fails(disk_dir: Path, slots: Slots) -> None:
     async with opened(new_tier(disk_dir, PAGE)) as tier:
@@ -354,6 +486,7 @@ async def test_directory_in_place_of_a_block_is_unreadable_and_removed(
         await _assert_fails_and_is_gone(tier, key, view, path)
 
 
+@pytest.mark.single_path
 @pytest.mark.anyio
 @pytest.mark.parametrize("seam", ["_open", "_preadv"])
 async def test_io_error_on_load_fails_and_deletes(
@@ -394,6 +527,7 @@ async def test_wrong_sized_file_is_replaced_by_a_store(disk_dir: Path, slots: Sl
 # -- failed and cancelled stores -------------------------------------------------------------
 
 
+@pytest.mark.single_path
 @pytest.mark.anyio
 @pytest.mark.parametrize("publish", PUBLISH_MODES)
 async def test_injected_enospc_fails_the_key_and_leaves_nothing(
@@ -458,6 +592,7 @@ async def test_real_enospc_on_a_full_file_system(slots: Slots) -> None:
         assert sizes == {HEADER_BYTES + block_bytes}
 
 
+@pytest.mark.single_path
 @pytest.mark.anyio
 async def test_cancelled_store_leaves_only_complete_files(
     disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch

@@ -4,8 +4,9 @@ For each block size (256 KiB, 2 MiB), about 1 GiB of blocks (``quick``: 128 MiB)
 a shared CPU region in /dev/shm and a fresh directory on the real disk (``/var/tmp``, or
 ``$KVTIER_BENCH_DIR``; never a tmpfs), three ways, in the same run:
 
-- ours: `FsTier` with 16 read and 16 write workers, driven as the engine does: 16 tasks,
-  each awaiting ``store`` / ``load`` of jobs of `JOB_BLOCKS` blocks.
+- ours: `FsTier` with its default workers (`DEFAULT_READ_WORKERS` readers,
+  `DEFAULT_WRITE_WORKERS` writers), driven as the engine's lane does: as many tasks as the
+  tier has workers that way, each awaiting ``store`` / ``load`` of jobs of `JOB_BLOCKS` blocks.
 - ``dd``: 16 parallel ``dd`` processes, ``oflag=direct`` / ``iflag=direct``, same block size
   and total, one file each: the disk's sequential direct-I/O ceiling (no file creation).
 - vLLM 0.33 (when importable): ``tiering/fs/io.py``'s ``batch_store_block`` /
@@ -45,7 +46,7 @@ from kvtier_async.ledger import make_offload_key
 from kvtier_async.memory import SharedRegion
 from kvtier_async.tiers._checksum import checksum
 from kvtier_async.tiers.base import TierContext
-from kvtier_async.tiers.fs import FsTier
+from kvtier_async.tiers.fs import DEFAULT_READ_WORKERS, DEFAULT_WRITE_WORKERS, FsTier
 
 from .report import BenchRecord, throughput_record
 
@@ -179,15 +180,15 @@ _notes = _OursNotes()
 
 async def _ours(directory: str, region: SharedRegion, keys: Sequence[bytes]) -> tuple[float, float]:
     ctx = TierContext(block_bytes=region.slot_bytes)
-    tier = FsTier("bench", ctx, STREAMS, STREAMS, root_dir=directory)
+    tier = FsTier("bench", ctx, DEFAULT_READ_WORKERS, DEFAULT_WRITE_WORKERS, root_dir=directory)
     await tier.open()
     try:
         views = [region.slot_view(i) for i in range(len(keys))]
-        write_s = await _drive(tier.store, keys, views)
+        write_s = await _drive(tier.store, keys, views, tier.write_workers)
         await anyio.to_thread.run_sync(os.sync)
         _notes.cached_bytes = await anyio.to_thread.run_sync(_cached_bytes, directory)
         _scribble(views)
-        read_s = await _drive(tier.load, keys, views)
+        read_s = await _drive(tier.load, keys, views, tier.read_workers)
         _notes.detail = tier.statistics().detail
         del views
     finally:
@@ -200,8 +201,9 @@ async def _drive(
     call: Callable[[Sequence[bytes], Sequence[memoryview]], Any],
     keys: Sequence[bytes],
     views: Sequence[memoryview],
+    tasks: int,
 ) -> float:
-    """Seconds for STREAMS tasks to push every job of JOB_BLOCKS blocks through ``call``."""
+    """Seconds for ``tasks`` tasks to push every job of JOB_BLOCKS blocks through ``call``."""
     jobs = iter(range(0, len(keys), JOB_BLOCKS))
     failures: list[int] = []
 
@@ -213,7 +215,7 @@ async def _drive(
 
     started = time.perf_counter()
     async with anyio.create_task_group() as tg:
-        for _ in range(STREAMS):
+        for _ in range(tasks):
             tg.start_soon(worker)
     elapsed = time.perf_counter() - started
     if failures:

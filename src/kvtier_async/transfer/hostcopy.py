@@ -4,9 +4,8 @@ The path is picked once per process (`batch_copier`):
 
 * ``native``: a short C loop of ``memmove`` over the plan's arrays (joining runs that
   continue each other, so plans need not be merged first), compiled on first
-  use with the system C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``) into a per-user
-  cache (``$KVTIER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtier_async``), as Triton builds
-  its launchers, and called through ctypes, which releases the GIL for the whole batch.
+  use (`kvtier_async._native.build_library`) and called through ctypes, which releases
+  the GIL for the whole batch.
 * ``memmove``: a Python loop calling ``ctypes.memmove`` once per (merged) run. Each call
   costs about 0.7 us of Python and ctypes here, as much as copying 8 KiB, so batches of
   small scattered pages reach only a third of memcpy speed this way; from 256 KiB pages up
@@ -27,21 +26,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from kvtier_async._log import get_logger
+from kvtier_async._native import BUILD_ERRORS, build_library, disabled
 
 from .plan import CopyPlan
 
@@ -77,7 +69,6 @@ void kvtier_batch_copy(const int64_t *src, const int64_t *dst, const int64_t *si
 }
 """
 _SYMBOL: Final = "kvtier_batch_copy"
-_COMPILE_TIMEOUT_S: Final = 120.0
 
 
 def memmove_copier(plan: CopyPlan) -> None:
@@ -91,11 +82,11 @@ def memmove_copier(plan: CopyPlan) -> None:
 @functools.cache
 def native_copier() -> BatchCopier | None:
     """The compiled batch copy, or None when it is disabled or cannot be built."""
-    if os.environ.get("KVTIER_NATIVE_COPY", "1").strip().lower() in {"0", "false", "no", "off"}:
+    if disabled("KVTIER_NATIVE_COPY"):
         return None
     try:
-        library = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        library = ctypes.CDLL(str(build_library("batch_copy", _SOURCE)))
+    except BUILD_ERRORS as exc:
         log.info("native batch copy unavailable; using a ctypes.memmove loop", error=str(exc))
         return None
     function = getattr(library, _SYMBOL)
@@ -131,44 +122,3 @@ def _int64(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
     if array.dtype == np.int64 and array.flags.c_contiguous:
         return array
     return np.ascontiguousarray(array, dtype=np.int64)
-
-
-def _cache_dir() -> Path:
-    explicit = os.environ.get("KVTIER_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvtier_async"
-
-
-def _compiler() -> str:
-    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if candidate and shutil.which(candidate.split()[0]):
-            return candidate
-    raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
-
-
-def _build() -> Path:
-    """Compile the batch copy once per source version and machine; return the library."""
-    digest = hashlib.sha256(f"{_SOURCE}{platform.machine()}{sys.platform}".encode()).hexdigest()[
-        :16
-    ]
-    directory = _cache_dir()
-    target = directory / f"batch_copy_{digest}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    compiler = _compiler()
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        source = Path(scratch) / "batch_copy.c"
-        source.write_text(_SOURCE)
-        output = Path(scratch) / target.name
-        command = [*compiler.split(), "-O2", "-shared", "-fPIC", "-o", str(output), str(source)]
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S, check=False
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[:500]}")
-        os.replace(output, target)  # atomic: concurrent builders race harmlessly
-    log.debug("built native batch copy", path=str(target))
-    return target
