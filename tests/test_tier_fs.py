@@ -11,6 +11,7 @@ from hanging, they never order anything.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import logging
@@ -31,6 +32,7 @@ from typing import Any
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+import crc32c
 import pytest
 from blockbuster import blockbuster_ctx
 
@@ -976,3 +978,22 @@ async def test_open_fails_clearly_when_root_dir_is_a_file(disk_dir: Path) -> Non
 async def test_calls_before_open_raise(disk_dir: Path) -> None:
     with pytest.raises(RuntimeError, match="not open"):
         await new_tier(disk_dir).lookup(keys_for(1))
+
+
+# -- the C helper ----------------------------------------------------------------------------
+
+
+@pytest.mark.single_path
+@pytest.mark.parametrize(
+    "length", [0, 1, 7, 8, 9, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 771, 1 << 20]
+)
+def test_native_crc32c_matches_the_crc32c_package(length: int) -> None:
+    """Around every stride of the interleaved loops, at every alignment mod 8."""
+    native = fs._fsio.native_fsio()
+    if native is None:
+        pytest.skip("the native fs I/O helper cannot be built here")
+    data = os.urandom(length + 8)
+    buffer = ctypes.create_string_buffer(data, len(data))
+    for start in range(8):
+        expected = crc32c.crc32c(data[start : start + length])
+        assert native.crc32c(ctypes.addressof(buffer) + start, length) == expected

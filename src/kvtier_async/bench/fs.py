@@ -26,7 +26,10 @@ after a mass delete while ``dd`` is untouched. The run says so when it finds suc
 system; nothing else should delete many files there shortly before. Loads are checked
 byte for byte on a sample of blocks, and ``fincore`` checks that our files are not in the page
 cache after the store phase (O_DIRECT really used). Figures are payload bytes per second
-(1 GB = 1e9 bytes).
+(1 GB = 1e9 bytes). Next to vLLM, the CPU each side's process spent per GB moved (user +
+system, all threads, ``getrusage``) is reported too ("CPU vs vllm", ratio above 1: we used
+less): on a small VM the file system's metadata work and the checksums compete for the same
+cores, so this is what a store or load costs the serving process beside its speed.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import contextlib
 import functools
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -53,7 +57,7 @@ from kvtier_async.tiers._checksum import checksum
 from kvtier_async.tiers.base import TierContext
 from kvtier_async.tiers.fs import DEFAULT_READ_WORKERS, DEFAULT_WRITE_WORKERS, FsTier
 
-from .report import BenchRecord, throughput_record
+from .report import BenchRecord, latency_record, throughput_record
 
 __all__ = ["JOB_BLOCKS", "REPEATS", "STREAMS", "run"]
 
@@ -67,6 +71,29 @@ DD_TARGET = 0.9
 VLLM_TARGET = 1.2
 DD_NAME = f"{STREAMS} parallel dd, oflag/iflag=direct"
 _GB = 1e9
+
+
+@dataclass(frozen=True)
+class _Phase:
+    """One store or load phase: wall seconds, and this process's CPU seconds (all threads;
+    None for ``dd``, which runs in other processes)."""
+
+    seconds: float
+    cpu: float | None = None
+
+
+@contextlib.contextmanager
+def _stopwatch(phase: list[_Phase]) -> Iterator[None]:
+    """Append the wall and process CPU time of the ``with`` body to ``phase``."""
+    started, cpu = time.perf_counter(), _cpu_seconds()
+    yield
+    phase.append(_Phase(time.perf_counter() - started, _cpu_seconds() - cpu))
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process, all threads (microsecond resolution)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 @dataclass
@@ -121,12 +148,18 @@ def _run_size(
         for rep in range(repeats):
             note(f"fs: {label} repetition {rep + 1}/{repeats}")
             figures = _one_round(workdir, region, keys, vllm, rep)
-            for name, (w, r) in figures.items():
-                samples.add(f"{name} store", w)
-                samples.add(f"{name} load", r)
+            gigabytes = len(keys) * block_bytes / _GB
+            for name, phases in figures.items():
+                for direction, phase in zip(("store", "load"), phases, strict=True):
+                    samples.add(f"{name} {direction}", gigabytes / phase.seconds)
+                    if phase.cpu is not None:
+                        samples.add(f"{name} {direction} cpu", phase.cpu / gigabytes)
             note(
                 f"fs: {label} GB/s store/load: "
-                + ", ".join(f"{name} {w or 0:.2f}/{r or 0:.2f}" for name, (w, r) in figures.items())
+                + ", ".join(
+                    f"{name} {gigabytes / w.seconds:.2f}/{gigabytes / r.seconds:.2f}"
+                    for name, (w, r) in figures.items()
+                )
             )
             mode = _check_ours(region, expected, note)
     return _records(label, samples, mode, vllm)
@@ -134,10 +167,10 @@ def _run_size(
 
 def _one_round(
     workdir: str, region: SharedRegion, keys: Sequence[bytes], vllm: _VllmFs | None, rep: int
-) -> dict[str, tuple[float | None, float | None]]:
+) -> dict[str, tuple[_Phase, _Phase]]:
     """Each side once, in an order rotated by ``rep``, each in a fresh directory."""
     block_bytes, total = region.slot_bytes, len(keys) * region.slot_bytes
-    sides: dict[str, Callable[[str], tuple[float | None, float | None]]] = {
+    sides: dict[str, Callable[[str], tuple[_Phase, _Phase]]] = {
         "dd": lambda directory: _dd(directory, block_bytes, total),
         "ours": lambda directory: anyio.run(_ours, directory, region, keys),
     }
@@ -176,6 +209,16 @@ def _records(label: str, samples: _Samples, mode: str, vllm: _VllmFs | None) -> 
                     target=VLLM_TARGET,
                 )
             )
+            records.append(
+                latency_record(
+                    "fs",
+                    f"{case} CPU vs vllm",
+                    "core-s/GB",
+                    samples.median(f"ours {direction} cpu"),
+                    reference=samples.median(f"vllm {direction} cpu"),
+                    reference_name=vllm.name,
+                )
+            )
     return records
 
 
@@ -193,23 +236,24 @@ class _OursNotes:
 _notes = _OursNotes()
 
 
-async def _ours(directory: str, region: SharedRegion, keys: Sequence[bytes]) -> tuple[float, float]:
+async def _ours(
+    directory: str, region: SharedRegion, keys: Sequence[bytes]
+) -> tuple[_Phase, _Phase]:
     ctx = TierContext(block_bytes=region.slot_bytes)
     tier = FsTier("bench", ctx, DEFAULT_READ_WORKERS, DEFAULT_WRITE_WORKERS, root_dir=directory)
     await tier.open()
     try:
         views = [region.slot_view(i) for i in range(len(keys))]
-        write_s = await _drive(tier.store, keys, views, tier.write_workers)
+        store = await _drive(tier.store, keys, views, tier.write_workers)
         await anyio.to_thread.run_sync(os.sync)
         _notes.cached_bytes = await anyio.to_thread.run_sync(_cached_bytes, directory)
         _scribble(views)
-        read_s = await _drive(tier.load, keys, views, tier.read_workers)
+        load = await _drive(tier.load, keys, views, tier.read_workers)
         _notes.detail = tier.statistics().detail
         del views
     finally:
         await tier.aclose()
-    total = len(keys) * region.slot_bytes
-    return total / write_s / _GB, total / read_s / _GB
+    return store, load
 
 
 async def _drive(
@@ -217,8 +261,8 @@ async def _drive(
     keys: Sequence[bytes],
     views: Sequence[memoryview],
     tasks: int,
-) -> float:
-    """Seconds for ``tasks`` tasks to push every job of JOB_BLOCKS blocks through ``call``."""
+) -> _Phase:
+    """Time for ``tasks`` tasks to push every job of JOB_BLOCKS blocks through ``call``."""
     jobs = iter(range(0, len(keys), JOB_BLOCKS))
     failures: list[int] = []
 
@@ -228,14 +272,14 @@ async def _drive(
             ok = await call(keys[start:stop], views[start:stop])
             failures.extend(i for i, good in enumerate(ok, start) if not good)
 
-    started = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        for _ in range(tasks):
-            tg.start_soon(worker)
-    elapsed = time.perf_counter() - started
+    phase: list[_Phase] = []
+    with _stopwatch(phase):
+        async with anyio.create_task_group() as tg:
+            for _ in range(tasks):
+                tg.start_soon(worker)
     if failures:
         raise RuntimeError(f"fs bench: {len(failures)} blocks failed, first {failures[0]}")
-    return elapsed
+    return phase[0]
 
 
 def _check_ours(region: SharedRegion, expected: dict[int, int], note: Callable[[str], None]) -> str:
@@ -255,7 +299,7 @@ def _check_ours(region: SharedRegion, expected: dict[int, int], note: Callable[[
 # -- dd --------------------------------------------------------------------------------------
 
 
-def _dd(directory: str, block_bytes: int, total: int) -> tuple[float, float]:
+def _dd(directory: str, block_bytes: int, total: int) -> tuple[_Phase, _Phase]:
     count = total // block_bytes // STREAMS
     files = [os.path.join(directory, f"dd{i}") for i in range(STREAMS)]
     bs = f"bs={block_bytes}"
@@ -264,8 +308,8 @@ def _dd(directory: str, block_bytes: int, total: int) -> tuple[float, float]:
     )
     os.sync()
     read_s = _parallel([["dd", f"if={f}", "of=/dev/null", bs, "iflag=direct"] for f in files])
-    moved = count * STREAMS * block_bytes
-    return moved / write_s / _GB, moved / read_s / _GB
+    scale = total / (count * STREAMS * block_bytes)  # as if dd had moved ``total`` bytes
+    return _Phase(write_s * scale), _Phase(read_s * scale)
 
 
 def _parallel(commands: Sequence[Sequence[str]]) -> float:
@@ -300,7 +344,7 @@ class _VllmFs:
 
     def measure(
         self, directory: str, region: SharedRegion, keys: Sequence[bytes]
-    ) -> tuple[float, float]:
+    ) -> tuple[_Phase, _Phase]:
         direct = bool(self.io.probe_o_direct(directory))
         view = region.rows.cast("B")
         row = region.row_bytes
@@ -312,15 +356,14 @@ class _VllmFs:
         pool = self.pool_type(STREAMS, STREAMS, thread_name_prefix="bench_vllm_fs")
         try:
             store = functools.partial(self.io.batch_store_block, block_size=region.slot_bytes)
-            write_s = _run_pool(pool, pool.enqueue_store, store, view, jobs, direct)
+            write = _run_pool(pool, pool.enqueue_store, store, view, jobs, direct)
             os.sync()
             load = functools.partial(self.io.batch_load_block, block_size=region.slot_bytes)
-            read_s = _run_pool(pool, pool.enqueue_load, load, view, jobs, direct)
+            read = _run_pool(pool, pool.enqueue_load, load, view, jobs, direct)
         finally:
             pool.shutdown(wait=True)
             view.release()
-        total = len(keys) * region.slot_bytes
-        return total / write_s / _GB, total / read_s / _GB
+        return write, read
 
 
 def _vllm_path(directory: str, key: bytes) -> str:
@@ -338,17 +381,17 @@ def _run_pool(
     view: memoryview,
     jobs: Sequence[tuple[list[str], list[int]]],
     direct: bool,
-) -> float:
-    started = time.perf_counter()
-    for job_id, (paths, offsets) in enumerate(jobs):
-        task = functools.partial(fn, paths, view, offsets, use_o_direct=direct)
-        enqueue(job_id, 1, [task])
-    pool.wait_idle()
-    elapsed = time.perf_counter() - started
+) -> _Phase:
+    phase: list[_Phase] = []
+    with _stopwatch(phase):
+        for job_id, (paths, offsets) in enumerate(jobs):
+            task = functools.partial(fn, paths, view, offsets, use_o_direct=direct)
+            enqueue(job_id, 1, [task])
+        pool.wait_idle()
     failed = [job for job, ok, _t in pool.get_finished() if not ok]
     if failed:
         raise RuntimeError(f"fs bench: vLLM jobs failed: {failed[:5]}")
-    return elapsed
+    return phase[0]
 
 
 # -- helpers ---------------------------------------------------------------------------------

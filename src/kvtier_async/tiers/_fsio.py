@@ -19,8 +19,10 @@ failure the temporary is unlinked and the step and ``errno`` are reported. A loa
 `kvtier_async.tiers.fs.verify_block` in the same order, and on a failure the file's device
 and inode (so Python deletes only that file).
 
-CRC-32C uses SSE 4.2 (x86-64) or the ARMv8 CRC instructions when the CPU has them, else a
-slicing-by-8 table; `native_fsio` checks it against the ``crc32c`` package before use.
+CRC-32C uses SSE 4.2 on x86-64 (three interleaved streams joined by zero-append operators,
+Mark Adler's method: 2.5-3x one stream) or the ARMv8 CRC instructions when the CPU has them,
+else a slicing-by-8 table; `native_fsio` checks it against the ``crc32c`` package before
+use.
 """
 
 from __future__ import annotations
@@ -110,22 +112,97 @@ static uint32_t crc_soft(uint32_t c, const unsigned char *p, size_t n) {
     return c;
 }
 
+/* Three interleaved streams (the CRC instruction has a latency of three cycles and a
+   throughput of one), joined by "append this many zero bytes" operators: Mark Adler's
+   method (crc32c.c, zlib licence). */
+#define POLY 0x82F63B78u
+#define LONG 8192
+#define SHORT 256
+static uint32_t zeros_long[4][256], zeros_short[4][256];
+
+static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
+    uint32_t sum = 0;
+    while (vec) { if (vec & 1) sum ^= *mat; vec >>= 1; mat++; }
+    return sum;
+}
+
+static void gf2_square(uint32_t *square, const uint32_t *mat) {
+    for (int n = 0; n < 32; n++) square[n] = gf2_times(mat, mat[n]);
+}
+
+/* The operator that appends len (a power of two) zero bytes to a CRC. */
+static void zeros_op(uint32_t *even, size_t len) {
+    uint32_t odd[32], row = 1;
+    odd[0] = POLY;
+    for (int n = 1; n < 32; n++) { odd[n] = row; row <<= 1; }
+    gf2_square(even, odd);  /* two zero bits */
+    gf2_square(odd, even);  /* four */
+    do {
+        gf2_square(even, odd);
+        len >>= 1;
+        if (len == 0) return;
+        gf2_square(odd, even);
+        len >>= 1;
+    } while (len);
+    for (int n = 0; n < 32; n++) even[n] = odd[n];
+}
+
+static void make_zeros(uint32_t zeros[][256], size_t len) {
+    uint32_t op[32];
+    zeros_op(op, len);
+    for (uint32_t n = 0; n < 256; n++) {
+        zeros[0][n] = gf2_times(op, n);
+        zeros[1][n] = gf2_times(op, n << 8);
+        zeros[2][n] = gf2_times(op, n << 16);
+        zeros[3][n] = gf2_times(op, n << 24);
+    }
+}
+
+__attribute__((constructor)) static void make_zeros_tables(void) {
+    make_zeros(zeros_long, LONG);
+    make_zeros(zeros_short, SHORT);
+}
+
+static uint32_t shift(uint32_t zeros[][256], uint32_t crc) {
+    return zeros[0][crc & 0xFF] ^ zeros[1][(crc >> 8) & 0xFF] ^
+           zeros[2][(crc >> 16) & 0xFF] ^ zeros[3][crc >> 24];
+}
+
 #if defined(__x86_64__)
 #include <nmmintrin.h>
 __attribute__((target("sse4.2")))
 static uint32_t crc_hard(uint32_t c32, const unsigned char *p, size_t n) {
-    uint64_t c = c32;
-    while (n && ((uintptr_t)p & 7)) { c = _mm_crc32_u8((uint32_t)c, *p++); n--; }
-    while (n >= 32) {
-        c = _mm_crc32_u64(c, *(const uint64_t *)p);
-        c = _mm_crc32_u64(c, *(const uint64_t *)(p + 8));
-        c = _mm_crc32_u64(c, *(const uint64_t *)(p + 16));
-        c = _mm_crc32_u64(c, *(const uint64_t *)(p + 24));
-        p += 32; n -= 32;
+    uint64_t c0 = c32, c1, c2;
+    while (n && ((uintptr_t)p & 7)) { c0 = _mm_crc32_u8((uint32_t)c0, *p++); n--; }
+    while (n >= 3 * LONG) {
+        const unsigned char *end = p + LONG;
+        c1 = c2 = 0;
+        do {
+            c0 = _mm_crc32_u64(c0, *(const uint64_t *)p);
+            c1 = _mm_crc32_u64(c1, *(const uint64_t *)(p + LONG));
+            c2 = _mm_crc32_u64(c2, *(const uint64_t *)(p + 2 * LONG));
+            p += 8;
+        } while (p < end);
+        c0 = shift(zeros_long, (uint32_t)c0) ^ (uint32_t)c1;
+        c0 = shift(zeros_long, (uint32_t)c0) ^ (uint32_t)c2;
+        p += 2 * LONG; n -= 3 * LONG;
     }
-    while (n >= 8) { c = _mm_crc32_u64(c, *(const uint64_t *)p); p += 8; n -= 8; }
-    while (n) { c = _mm_crc32_u8((uint32_t)c, *p++); n--; }
-    return (uint32_t)c;
+    while (n >= 3 * SHORT) {
+        const unsigned char *end = p + SHORT;
+        c1 = c2 = 0;
+        do {
+            c0 = _mm_crc32_u64(c0, *(const uint64_t *)p);
+            c1 = _mm_crc32_u64(c1, *(const uint64_t *)(p + SHORT));
+            c2 = _mm_crc32_u64(c2, *(const uint64_t *)(p + 2 * SHORT));
+            p += 8;
+        } while (p < end);
+        c0 = shift(zeros_short, (uint32_t)c0) ^ (uint32_t)c1;
+        c0 = shift(zeros_short, (uint32_t)c0) ^ (uint32_t)c2;
+        p += 2 * SHORT; n -= 3 * SHORT;
+    }
+    while (n >= 8) { c0 = _mm_crc32_u64(c0, *(const uint64_t *)p); p += 8; n -= 8; }
+    while (n) { c0 = _mm_crc32_u8((uint32_t)c0, *p++); n--; }
+    return (uint32_t)c0;
 }
 static int have_hard(void) { return __builtin_cpu_supports("sse4.2"); }
 #elif defined(__aarch64__)
