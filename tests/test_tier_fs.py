@@ -296,6 +296,29 @@ async def test_unaligned_and_read_only_memory(disk_dir: Path, slots: Slots) -> N
 
 
 @pytest.mark.anyio
+async def test_fsync_round_trip(
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, io_path: str
+) -> None:
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    keys, views = keys_for(3), slots.make(3, 2 * PAGE)
+    stored = snapshot(views)
+    async with opened(new_tier(disk_dir, 2 * PAGE, fsync=True)) as tier:
+        assert "fsync=on" in tier.statistics().detail
+        assert await tier.store(keys, views) == [True] * 3
+        wipe(views)
+        assert await tier.load(keys, views) == [True] * 3
+    assert snapshot(views) == stored
+    assert len(synced) == (3 if io_path == "python" else 0)  # the C path calls fsync(2) itself
+
+
+@pytest.mark.anyio
 async def test_tmpfs_round_trip(shm_dir: Path, slots: Slots) -> None:
     keys, views = keys_for(5), slots.make(5, 2 * PAGE)
     stored = snapshot(views)

@@ -102,8 +102,9 @@ log = get_logger(__name__)
 
 HEADER_BYTES: Final = 4096
 # Measured on a virtio ext4 disk (2 vCPUs), 256 KiB blocks, C path: loads best at 16; stores
-# 1.2-1.26 GB/s with 16 writers, 1.43-1.45 with 32, 1.31-1.37 with 64 (a file creation waits
-# on metadata, so more of them in flight keep the disk busier). The Python path was flat from 8.
+# with 32 writers at or above 16 in two of three interleaved A/B runs (medians 1.33 vs 1.25
+# GB/s, 0.83 vs 0.70, 0.59 vs 0.68; 64 no better): a file creation waits on metadata, so more
+# in flight keep the disk busier. The run-to-run noise of that disk is larger than the gap.
 DEFAULT_READ_WORKERS: Final = 16
 DEFAULT_WRITE_WORKERS: Final = 32
 # Bytes per worker-thread call at least, when a batch is split across workers. A thread hop
