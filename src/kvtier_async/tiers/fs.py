@@ -760,7 +760,7 @@ def _read_all(fd: int, views: Sequence[memoryview]) -> int:
 # -- the C path's batches --------------------------------------------------------------------
 
 _PREFIX_BYTES: Final = _HEADER.size  # the header fields; the payload sum is among them
-_PAYLOAD_SUM_AT: Final = 24  # offset of the payload sum in _HEADER
+_PAYLOAD_SUM_AT: Final = struct.calcsize("<8sHHIQ")  # the fields of _HEADER before it
 
 
 class _NativeBatch:
