@@ -1020,3 +1020,21 @@ def test_native_crc32c_matches_the_crc32c_package(length: int) -> None:
     for start in range(8):
         expected = crc32c.crc32c(data[start : start + length])
         assert native.crc32c(ctypes.addressof(buffer) + start, length) == expected
+
+
+@pytest.mark.single_path
+def test_without_a_compiler_the_python_path_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("KVTIER_NATIVE_FS", raising=False)
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with caplog.at_level(logging.INFO, logger="kvtier_async.tiers._fsio"):
+        assert fs._fsio.native_fsio.__wrapped__() is None
+    assert "native fs I/O unavailable" in caplog.text
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("KVTIER_NATIVE_FS", "0")
+    assert fs._fsio.native_fsio.__wrapped__() is None
+    monkeypatch.setenv("KVTIER_NATIVE_FS", "1")
+    built = fs._fsio.native_fsio.__wrapped__()
+    assert built is not None and list(tmp_path.glob("fsio_*.so"))
