@@ -937,6 +937,18 @@ async def test_max_bytes_is_rebuilt_from_mtimes_at_open(disk_dir: Path, slots: S
 
 
 @pytest.mark.anyio
+async def test_max_bytes_below_one_file_fails_each_store_alone(
+    disk_dir: Path, slots: Slots
+) -> None:
+    """Built directly (the config refuses such a limit), every store fails by itself."""
+    keys, views = keys_for(2), slots.make(2, PAGE)
+    async with opened(new_tier(disk_dir, max_bytes=PAGE)) as tier:
+        assert await tier.store(keys, views) == [False, False]
+        assert tier.statistics().store_failures == 2
+        assert await tier.lookup(keys) == [False, False]
+
+
+@pytest.mark.anyio
 async def test_without_max_bytes_nothing_is_deleted(disk_dir: Path, slots: Slots) -> None:
     keys, views = keys_for(20), slots.make(20, PAGE)
     async with opened(new_tier(disk_dir)) as tier:

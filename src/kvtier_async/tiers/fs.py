@@ -462,7 +462,11 @@ class _BlockFiles:
         else:  # one block at a time, so that evictions never hit a block of this batch
             results = []
             for j, path in enumerate(batch.paths):
-                _unlink_all(self.usage.admit(path, self.file_bytes))
+                try:
+                    _unlink_all(self.usage.admit(path, self.file_bytes))
+                except OSError as exc:  # a block file larger than max_bytes
+                    results.append((-(exc.errno or errno.EIO), 0))
+                    continue
                 results += batch.store(fsio, heads, self.fsync, [j])
         retry = [j for j, (code, step) in enumerate(results) if code == -errno.ENOENT and step == 1]
         if retry:  # directories vanished under us: forget them, make them, once more
