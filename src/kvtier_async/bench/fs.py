@@ -61,7 +61,7 @@ from .report import BenchRecord, latency_record, throughput_record
 
 __all__ = ["JOB_BLOCKS", "REPEATS", "STREAMS", "run"]
 
-STREAMS = 16  # dd processes, tier workers each way, vLLM threads each way
+STREAMS = 16  # dd processes; vLLM threads each way (its defaults)
 JOB_BLOCKS = 16  # blocks per store / load call (one engine job)
 REPEATS = 5
 BLOCK_SIZES = (256 << 10, 2 << 20)
@@ -98,7 +98,7 @@ def _cpu_seconds() -> float:
 
 @dataclass
 class _Samples:
-    """GB/s of each side and direction over the repetitions."""
+    """Each side's figures (GB/s, CPU seconds per GB) over the repetitions, by name."""
 
     values: dict[str, list[float]]
 
