@@ -50,6 +50,9 @@ process touches them. Without ``max_bytes`` nothing is deleted but corrupt files
 loads and stores split into chunks of at least `MIN_CHUNK_BYTES`, at most one per worker,
 under two `anyio.CapacityLimiter`\\ s sized ``read_workers`` and ``write_workers``.
 The blocking half (`_BlockFiles`) is plain synchronous code, safe to call from many threads.
+It hands each chunk's file work to one call into the C helper `kvtier_async.tiers._fsio`
+(no GIL held for the whole chunk) when that could be built and files are published by
+rename; otherwise it runs the same steps in Python (``path=`` in ``detail`` says which).
 """
 
 from __future__ import annotations
