@@ -242,8 +242,11 @@ int kvtier_crc32c_hardware(void) {
 
 /* -- whole-file writes and reads ----------------------------------------------------- */
 
-static int write_all(int fd, unsigned char *head, size_t head_n, unsigned char *body,
-                     size_t body_n) {
+/* Write (writing != 0) or read head then body at offset 0 of fd, resuming after short
+   transfers. Returns the bytes moved (fewer than asked only when a read meets the end of the
+   file) or -errno; a write that moves nothing is -EIO. */
+static int64_t move_all(int fd, int writing, unsigned char *head, size_t head_n,
+                        unsigned char *body, size_t body_n) {
     size_t total = head_n + body_n, done = 0;
     while (done < total) {
         struct iovec iov[2];
@@ -254,30 +257,11 @@ static int write_all(int fd, unsigned char *head, size_t head_n, unsigned char *
         } else {
             iov[k].iov_base = body + (done - head_n); iov[k].iov_len = total - done; k++;
         }
-        ssize_t w = pwritev(fd, iov, k, (off_t)done);
-        if (w < 0) { if (errno == EINTR) continue; return -errno; }
-        if (w == 0) return -EIO;
-        done += (size_t)w;
-    }
-    return 0;
-}
-
-static int64_t read_all(int fd, unsigned char *head, size_t head_n, unsigned char *body,
-                        size_t body_n) {
-    size_t total = head_n + body_n, done = 0;
-    while (done < total) {
-        struct iovec iov[2];
-        int k = 0;
-        if (done < head_n) {
-            iov[k].iov_base = head + done; iov[k].iov_len = head_n - done; k++;
-            iov[k].iov_base = body; iov[k].iov_len = body_n; k++;
-        } else {
-            iov[k].iov_base = body + (done - head_n); iov[k].iov_len = total - done; k++;
-        }
-        ssize_t r = preadv(fd, iov, k, (off_t)done);
-        if (r < 0) { if (errno == EINTR) continue; return -errno; }
-        if (r == 0) break;
-        done += (size_t)r;
+        off_t at = (off_t)done;
+        ssize_t moved = writing ? pwritev(fd, iov, k, at) : preadv(fd, iov, k, at);
+        if (moved < 0) { if (errno == EINTR) continue; return -errno; }
+        if (moved == 0) { if (writing) return -EIO; break; }
+        done += (size_t)moved;
     }
     return (int64_t)done;
 }
@@ -308,7 +292,8 @@ void kvtier_store_blocks(int64_t n, char **temps, char **finals, const int32_t *
         memcpy(head + head_n - 8, &head_sum, 8);
         int fd = open(temps[i], O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | flags[i], 0644);
         if (fd < 0) { result[i] = -errno; step[i] = 1; continue; }
-        int err = write_all(fd, head, (size_t)head_n, bodies[i], (size_t)body_n);
+        int64_t wrote = move_all(fd, 1, head, (size_t)head_n, bodies[i], (size_t)body_n);
+        int err = wrote < 0 ? (int)wrote : 0;
         if (err) step[i] = 2;
         if (!err && do_fsync && fsync(fd) != 0) { err = -errno; step[i] = 3; }
         close(fd);
@@ -337,7 +322,7 @@ void kvtier_load_blocks(int64_t n, char **paths, unsigned char **heads,
         }
         unsigned char *head = heads[i];
         const unsigned char *want = expect + 56 * i;
-        int64_t r = read_all(fd, head, (size_t)head_n, bodies[i], (size_t)body_n);
+        int64_t r = move_all(fd, 0, head, (size_t)head_n, bodies[i], (size_t)body_n);
         int res = 1;
         uint64_t stored;
         if (r < 0) { res = (int)r; step[i] = 2; }
