@@ -451,11 +451,20 @@ class _BlockFiles:
             try:
                 self._check_block(block)
                 path = self.path(key)
-                made_dir = self._ensure_dir(os.path.dirname(path))
+                directory = os.path.dirname(path)
+                made_dir = self._ensure_dir(directory)
             except (OSError, ValueError) as exc:
                 self._store_failed(key, exc)
                 continue
-            batch.add(index, key, block, path, check=not made_dir, direct=self.mode.direct)
+            batch.add(
+                index,
+                key,
+                block,
+                path,
+                directory=directory,
+                check=not made_dir,
+                direct=self.mode.direct,
+            )
         if not batch.indexes:
             return outcomes
         heads = _scratch_pages("store", len(batch.indexes))
@@ -475,7 +484,7 @@ class _BlockFiles:
         if retry:  # directories vanished under us: forget them, make them, once more
             self._forget_dirs()
             for j in retry:
-                self._ensure_dir(os.path.dirname(batch.paths[j]))
+                self._ensure_dir(batch.dirs[j])
             for j, result in zip(retry, batch.store(fsio, heads, self.fsync, retry), strict=True):
                 results[j] = result
         for j, (code, step) in enumerate(results):
@@ -603,7 +612,7 @@ class _BlockFiles:
             except ValueError as exc:
                 log.warning("fs load refused", tier=self.name, key=key.hex(), error=str(exc))
                 continue
-            batch.add(index, key, block, path, check=False, direct=self.mode.direct)
+            batch.add(index, key, block, path, direct=self.mode.direct)
         if not batch.indexes:
             return outcomes
         heads = _scratch_pages("load", len(batch.indexes))
@@ -663,35 +672,53 @@ class _BlockFiles:
 def pack_header(page: memoryview, key: bytes, payload: memoryview) -> None:
     """Fill ``page`` (`HEADER_BYTES` long) with the header of ``key``'s block ``payload``."""
     page[:] = _ZERO_PAGE
-    _HEADER.pack_into(
-        page,
-        0,
-        _MAGIC,
-        _FILE_VERSION,
-        0,
-        HEADER_BYTES,
-        payload.nbytes,
-        checksum(payload),
-        checksum(key),
-        _SUM_NAME,
-    )
+    _pack_fields(page, 0, key, payload.nbytes, checksum(payload))
     _SUM.pack_into(page, _HEADER_SUM_AT, checksum(page[:_HEADER_SUM_AT]))
+
+
+def _pack_fields(
+    buffer: memoryview | mmap.mmap | bytearray,
+    offset: int,
+    key: bytes,
+    payload_bytes: int,
+    payload_sum: int,
+) -> None:
+    """The header's fields (`_HEADER`) for ``key`` at ``offset`` of ``buffer``."""
+    _HEADER.pack_into(buffer, offset, _MAGIC, _FILE_VERSION, 0, HEADER_BYTES, payload_bytes,
+                      payload_sum, checksum(key), _SUM_NAME)  # fmt: skip
 
 
 def verify_block(page: memoryview, key: bytes, payload: memoryview) -> None:
     """Raise `CorruptBlockError` unless ``page`` is a valid header for ``key``'s ``payload``."""
     (header_sum,) = _SUM.unpack_from(page, _HEADER_SUM_AT)
     if checksum(page[:_HEADER_SUM_AT]) != header_sum:
-        raise CorruptBlockError("header checksum mismatch")
+        raise CorruptBlockError(_VERDICTS[_fsio.LOAD_BAD_HEADER])
     magic, version, _, header_bytes, length, payload_sum, key_sum, name = _HEADER.unpack_from(page)
     if (magic, version, header_bytes, name) != (_MAGIC, _FILE_VERSION, HEADER_BYTES, _SUM_NAME):
-        raise CorruptBlockError("not a block file of this format")
+        raise CorruptBlockError(_VERDICTS[_fsio.LOAD_FOREIGN])
     if length != payload.nbytes:
-        raise CorruptBlockError(f"payload is {length} bytes, expected {payload.nbytes}")
+        raise _wrong_length(length, payload.nbytes)
     if key_sum != checksum(key):
-        raise CorruptBlockError("the file belongs to another key")
+        raise CorruptBlockError(_VERDICTS[_fsio.LOAD_WRONG_KEY])
     if checksum(payload) != payload_sum:
-        raise CorruptBlockError("payload checksum mismatch")
+        raise CorruptBlockError(_VERDICTS[_fsio.LOAD_BAD_PAYLOAD])
+
+
+# What each failed check says, on both I/O paths (keys: the C path's load results).
+_VERDICTS: Final = {
+    _fsio.LOAD_BAD_HEADER: "header checksum mismatch",
+    _fsio.LOAD_FOREIGN: "not a block file of this format",
+    _fsio.LOAD_WRONG_KEY: "the file belongs to another key",
+    _fsio.LOAD_BAD_PAYLOAD: "payload checksum mismatch",
+}
+
+
+def _short_file(got: int, expected: int) -> CorruptBlockError:
+    return CorruptBlockError(f"short file: read {got} of {expected} bytes")
+
+
+def _wrong_length(length: int, expected: int) -> CorruptBlockError:
+    return CorruptBlockError(f"payload is {length} bytes, expected {expected}")
 
 
 def _read_block(fd: int, key: bytes, block: memoryview) -> None:
@@ -699,7 +726,7 @@ def _read_block(fd: int, key: bytes, block: memoryview) -> None:
     expected = HEADER_BYTES + block.nbytes
     got = _read_all(fd, [page, block])
     if got != expected:
-        raise CorruptBlockError(f"short file: read {got} of {expected} bytes")
+        raise _short_file(got, expected)
     verify_block(page, key, block)
 
 
@@ -718,19 +745,17 @@ def _header_page() -> memoryview:
 
 
 def _is_aligned(block: memoryview) -> bool:
-    return block.nbytes % _ALIGN == 0 and _address(block) % _ALIGN == 0
+    return _aligned(block.nbytes, _address(block))
+
+
+def _aligned(nbytes: int, address: int) -> bool:
+    """Whether a buffer of ``nbytes`` at ``address`` can take O_DIRECT I/O."""
+    return nbytes % _ALIGN == 0 and address % _ALIGN == 0
 
 
 def _address(block: memoryview) -> int:
-    """Address of ``block``'s first byte (ctypes: ~1.5 us; numpy for read-only buffers)."""
-    if block.readonly:
-        address: int = np.frombuffer(block, dtype=np.uint8).ctypes.data
-        return address
-    anchor = ctypes.c_char.from_buffer(block)
-    try:
-        return ctypes.addressof(anchor)
-    finally:
-        del anchor
+    """Address of ``block``'s first byte (the buffer export is dropped at once)."""
+    return _anchored_address(block)[0]
 
 
 def _rest(views: Sequence[memoryview], skip: int) -> list[memoryview]:
@@ -779,6 +804,7 @@ class _NativeBatch:
         self.indexes: list[int] = []
         self.keys: list[bytes] = []
         self.paths: list[str] = []
+        self.dirs: list[str] = []
         self.noted: list[int] = []
         self._bodies: list[int] = []
         self._flags: list[int] = []
@@ -787,13 +813,24 @@ class _NativeBatch:
         self._nbytes = 0
 
     def add(
-        self, index: int, key: bytes, block: memoryview, path: str, *, check: bool, direct: bool
+        self,
+        index: int,
+        key: bytes,
+        block: memoryview,
+        path: str,
+        *,
+        directory: str = "",
+        check: bool = False,
+        direct: bool,
     ) -> None:
+        """Add a block; a store needs ``directory`` (where its temporary goes) and ``check``
+        (look for a complete file first)."""
         address, anchor = _anchored_address(block)
-        aligned = block.nbytes % _ALIGN == 0 and address % _ALIGN == 0
+        aligned = _aligned(block.nbytes, address)
         self.indexes.append(index)
         self.keys.append(key)
         self.paths.append(path)
+        self.dirs.append(directory)
         self.noted.append(0)
         self._bodies.append(address)
         self._flags.append(_O_DIRECT if direct and aligned else 0)
@@ -807,29 +844,22 @@ class _NativeBatch:
             self._pack_prefix(heads.mapping, j * HEADER_BYTES, key)
 
     def _pack_prefix(self, buffer: mmap.mmap | bytearray, offset: int, key: bytes) -> None:
-        _HEADER.pack_into(buffer, offset, _MAGIC, _FILE_VERSION, 0, HEADER_BYTES, self._nbytes,
-                          0, checksum(key), _SUM_NAME)  # fmt: skip
+        _pack_fields(buffer, offset, key, self._nbytes, 0)  # the C loop fills in the sum
 
     def store(
         self, fsio: FsIo, heads: _Pages, fsync: bool, subset: Sequence[int]
     ) -> list[tuple[int, int]]:
         """Store the blocks at positions ``subset``: ``(result, failed step)`` for each."""
         count = len(subset)
-        temps = [
-            os.fsencode(os.path.join(os.path.dirname(self.paths[j]), _temp_name("blk")))
-            for j in subset
-        ]
-        c_temps = (ctypes.c_char_p * count)(*temps)
-        c_finals = (ctypes.c_char_p * count)(*[os.fsencode(self.paths[j]) for j in subset])
-        c_check = (ctypes.c_int32 * count)(*[self._check[j] for j in subset])
-        c_heads = (ctypes.c_void_p * count)(*[heads.address + j * HEADER_BYTES for j in subset])
-        c_bodies = (ctypes.c_void_p * count)(*[self._bodies[j] for j in subset])
-        c_flags = (ctypes.c_int32 * count)(*[self._flags[j] for j in subset])
-        result, step, noted = (
-            (ctypes.c_int32 * count)(),
-            (ctypes.c_int32 * count)(),
-            (ctypes.c_int32 * count)(),
-        )
+        c_temps = _c_array(ctypes.c_char_p, [
+            os.fsencode(os.path.join(self.dirs[j], _temp_name("blk"))) for j in subset
+        ])  # fmt: skip
+        c_finals = _c_array(ctypes.c_char_p, [os.fsencode(self.paths[j]) for j in subset])
+        c_check = _c_array(ctypes.c_int32, [self._check[j] for j in subset])
+        c_heads = _c_array(ctypes.c_void_p, [heads.address + j * HEADER_BYTES for j in subset])
+        c_bodies = _c_array(ctypes.c_void_p, [self._bodies[j] for j in subset])
+        c_flags = _c_array(ctypes.c_int32, [self._flags[j] for j in subset])
+        result, step, noted = (_c_array(ctypes.c_int32, [0] * count) for _ in range(3))
         fsio.store_blocks(
             count, _at(c_temps), _at(c_finals), _at(c_check), _at(c_heads), _at(c_bodies),
             _at(c_flags), HEADER_BYTES, self._nbytes, _PAYLOAD_SUM_AT, int(fsync), _at(result),
@@ -848,18 +878,15 @@ class _NativeBatch:
         for j, key in enumerate(self.keys):
             self._pack_prefix(expect, j * _PREFIX_BYTES, key)
         c_expect = (ctypes.c_char * len(expect)).from_buffer(expect)
-        c_paths = (ctypes.c_char_p * count)(*[os.fsencode(path) for path in self.paths])
-        c_heads = (ctypes.c_void_p * count)(
-            *[heads.address + j * HEADER_BYTES for j in range(count)]
+        c_paths = _c_array(ctypes.c_char_p, [os.fsencode(path) for path in self.paths])
+        c_heads = _c_array(
+            ctypes.c_void_p, [heads.address + j * HEADER_BYTES for j in range(count)]
         )
-        c_bodies = (ctypes.c_void_p * count)(*self._bodies)
-        c_flags = (ctypes.c_int32 * count)(*self._flags)
-        result, step = (ctypes.c_int32 * count)(), (ctypes.c_int32 * count)()
-        got, dev, ino = (
-            (ctypes.c_int64 * count)(),
-            (ctypes.c_uint64 * count)(),
-            (ctypes.c_uint64 * count)(),
-        )
+        c_bodies = _c_array(ctypes.c_void_p, self._bodies)
+        c_flags = _c_array(ctypes.c_int32, self._flags)
+        result, step = _c_array(ctypes.c_int32, [0] * count), _c_array(ctypes.c_int32, [0] * count)
+        got = _c_array(ctypes.c_int64, [0] * count)
+        dev, ino = _c_array(ctypes.c_uint64, [0] * count), _c_array(ctypes.c_uint64, [0] * count)
         fsio.load_blocks(
             count, _at(c_paths), _at(c_heads), _at(c_bodies), _at(c_flags), _at(c_expect),
             HEADER_BYTES, self._nbytes, _PAYLOAD_SUM_AT, _at(result), _at(step), _at(got),
@@ -882,19 +909,11 @@ class _NativeBatch:
         if code < 0:
             return OSError(-code, os.strerror(-code), self.paths[j])
         if code == _fsio.LOAD_SHORT:
-            expected = HEADER_BYTES + self._nbytes
-            return CorruptBlockError(f"short file: read {got} of {expected} bytes")
+            return _short_file(got, HEADER_BYTES + self._nbytes)
         if code == _fsio.LOAD_BAD_LENGTH:
-            page = j * HEADER_BYTES
-            length = _HEADER.unpack(heads.mapping[page : page + _PREFIX_BYTES])[4]
-            return CorruptBlockError(f"payload is {length} bytes, expected {self._nbytes}")
-        messages = {
-            _fsio.LOAD_BAD_HEADER: "header checksum mismatch",
-            _fsio.LOAD_FOREIGN: "not a block file of this format",
-            _fsio.LOAD_WRONG_KEY: "the file belongs to another key",
-            _fsio.LOAD_BAD_PAYLOAD: "payload checksum mismatch",
-        }
-        return CorruptBlockError(messages.get(code, f"unknown load result {code}"))
+            length = _HEADER.unpack_from(heads.mapping, j * HEADER_BYTES)[4]
+            return _wrong_length(length, self._nbytes)
+        return CorruptBlockError(_VERDICTS.get(code, f"unknown load result {code}"))
 
 
 @dataclass
@@ -922,12 +941,19 @@ def _scratch_pages(kind: str, count: int) -> _Pages:
 
 
 def _anchored_address(block: memoryview) -> tuple[int, object]:
-    """Address of ``block``'s first byte and an object holding a buffer export of it."""
+    """Address of ``block``'s first byte (ctypes: ~1.5 us; numpy for read-only buffers) and
+    an object holding a buffer export of it."""
     if block.readonly:
         array = np.frombuffer(block, dtype=np.uint8)
         return int(array.ctypes.data), array
     anchor = ctypes.c_char.from_buffer(block)
     return ctypes.addressof(anchor), anchor
+
+
+def _c_array(ctype: Any, values: Sequence[Any]) -> ctypes.Array[Any]:
+    """A C array of ``ctype`` holding ``values`` (it keeps byte strings alive)."""
+    array: ctypes.Array[Any] = (ctype * len(values))(*values)
+    return array
 
 
 def _at(array: ctypes.Array[Any]) -> int:
