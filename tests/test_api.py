@@ -21,11 +21,6 @@ pytestmark = pytest.mark.anyio
 BLOCK = 4096
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 def k(i: int) -> bytes:
     return make_offload_key(i.to_bytes(8, "big"), 0)
 

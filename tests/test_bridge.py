@@ -19,11 +19,6 @@ from kvtier_async.transfer import BridgeClosedError, BridgeStrategy, EventBridge
 STRATEGIES = [BridgeStrategy.THREAD, BridgeStrategy.POLL]
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 class FakeEvent:
     def __init__(self, error: BaseException | None = None) -> None:
         self._done = threading.Event()

@@ -22,11 +22,6 @@ from kvtier_async.tiers.memory import MemoryTier
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 class Device:
     """A device executor whose jobs wait for the test: ``release`` lets them finish."""
 

@@ -39,11 +39,6 @@ NUM_SLOTS = 16
 SENTINEL = 0xAB
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 def make_kv(seed: int) -> CanonicalKV:
     """Two groups on the GPU: two LBNHC attention layers (16 KiB pages), one MLA layer."""
     gen = torch.Generator(device="cuda").manual_seed(seed)

@@ -50,11 +50,6 @@ SHM = Path("/dev/shm")
 PAGE = mmap.PAGESIZE
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Run every test on both I/O paths, except those marked ``single_path``: they inject
     faults through the Python syscall seams, which only the Python path calls, or pick the

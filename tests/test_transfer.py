@@ -36,11 +36,6 @@ NUM_SLOTS = 16
 SENTINEL = 0xAB
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 def make_kv(rng: np.random.Generator) -> tuple[CanonicalKV, dict[str, torch.Tensor]]:
     """Two groups: FlashAttention-style layers (LBNHC) and an MLA layer, random bytes."""
     caches = {
