@@ -401,7 +401,9 @@ def _craft(kind: str, key: bytes, payload: bytes) -> bytes:
     if kind == "short length":  # a header for a payload one page shorter, full-size file
         fs.pack_header(page, key, memoryview(payload[PAGE:]))
         return bytes(page) + payload
-    fs.pack_header(page, key if kind != "another key" else b"k" + key[1:], memoryview(payload))
+    fs.pack_header(
+        page, key if kind != "another key" else bytes([key[0] ^ 1]) + key[1:], memoryview(payload)
+    )
     if kind == "foreign magic":  # another format whose header checksum is still right
         page[:8] = b"NOTKVTB\x00"
         page[HEADER_BYTES - 8 :] = fs.checksum(page[: HEADER_BYTES - 8]).to_bytes(8, "little")
