@@ -111,9 +111,8 @@ class _Samples:
 
     values: dict[str, list[float]]
 
-    def add(self, name: str, gbps: float | None) -> None:
-        if gbps is not None:
-            self.values.setdefault(name, []).append(gbps)
+    def add(self, name: str, value: float) -> None:
+        self.values.setdefault(name, []).append(value)
 
     def median(self, name: str) -> float:
         return statistics.median(self.values[name])

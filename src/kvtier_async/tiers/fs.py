@@ -557,8 +557,8 @@ class _BlockFiles:
         raise FileExistsError(errno.EEXIST, "something that is not a block file is there", path)
 
     def _create(self, directory: str, direct: bool) -> tuple[int, str | None]:
-        """A new file open for writing in ``directory``: ``(fd, temp name or None)``."""
-        self._ensure_dir(directory)
+        """A new file open for writing in ``directory`` (made by the caller): ``(fd, temp name
+        or None)``."""
         try:
             return _create_file(directory, self.mode.publish, direct)
         except FileNotFoundError:  # directories vanished under us: forget them, make them
