@@ -10,6 +10,7 @@ from hanging, they never order anything.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
@@ -20,9 +21,11 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from multiprocessing.synchronize import Barrier, Event
@@ -881,7 +884,7 @@ async def test_malformed_keys_fail_alone(disk_dir: Path, slots: Slots) -> None:
 
 @pytest.mark.anyio
 async def test_lookups_are_one_thread_call_per_batch_and_loads_are_chunked(
-    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, io_path: str
 ) -> None:
     calls: list[int] = []
     real_run_sync = anyio.to_thread.run_sync
@@ -892,7 +895,8 @@ async def test_lookups_are_one_thread_call_per_batch_and_loads_are_chunked(
 
     block_bytes = 2 << 20  # MIN_CHUNK_BYTES (4 MiB) = 2 blocks per thread call
     keys, views = keys_for(12), slots.make(12, block_bytes, fill=False)
-    async with opened(new_tier(disk_dir, block_bytes)) as tier:  # 4 workers each way
+    tier = FsTier("chunks", TierContext(block_bytes=block_bytes), 4, 4, root_dir=disk_dir)
+    async with opened(tier):
         monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
         await tier.lookup(keys_for(100))
         assert calls == [100]
@@ -901,7 +905,39 @@ async def test_lookups_are_one_thread_call_per_batch_and_loads_are_chunked(
         assert calls == [2]
         calls.clear()
         assert await tier.store(keys, views) == [True] * 12
-        assert calls == [3, 3, 3, 3]  # at most one chunk per worker
+        if io_path == "python":
+            assert calls == [3, 3, 3, 3]  # at most one chunk per worker
+        else:  # one call; the C pool's 4 writers share its blocks
+            assert calls == [12]
+            assert pool_threads("chunks") == {"kvfs-w-chunks": 4}
+
+
+def pool_threads(tier: str) -> dict[str, int]:
+    """This process's threads of the C pools of the tier named ``tier``, counted by name."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            names.append((task / "comm").read_text().strip())
+    ours = (f"kvfs-r-{tier}", f"kvfs-w-{tier}")
+    return dict(collections.Counter(name for name in names if name in ours))
+
+
+@pytest.mark.anyio
+async def test_the_c_pools_start_at_first_use_with_the_worker_counts_and_stop_at_close(
+    disk_dir: Path, slots: Slots, io_path: str
+) -> None:
+    keys, views = keys_for(9), slots.make(9, PAGE)
+    tier = FsTier("pools", TierContext(block_bytes=PAGE), 3, 5, root_dir=disk_dir)
+    async with opened(tier):
+        assert await tier.lookup(keys) == [False] * 9
+        assert pool_threads("pools") == {}  # lookups start no pool
+        assert await tier.store(keys, views) == [True] * 9
+        want_writers = {} if io_path == "python" else {"kvfs-w-pools": 5}
+        assert pool_threads("pools") == want_writers
+        assert await tier.load(keys, views) == [True] * 9
+        want_all = {} if io_path == "python" else {"kvfs-r-pools": 3, "kvfs-w-pools": 5}
+        assert pool_threads("pools") == want_all
+    assert pool_threads("pools") == {}  # aclose joined them
 
 
 @pytest.mark.anyio
@@ -1047,3 +1083,111 @@ def test_without_a_compiler_the_python_path_is_used(
     monkeypatch.setenv("KVTIER_NATIVE_FS", "1")
     built = fs._fsio.native_fsio.__wrapped__()
     assert built is not None and list(tmp_path.glob("fsio_*.so"))
+
+
+@pytest.fixture
+def native(monkeypatch: pytest.MonkeyPatch) -> fs._fsio.FsIo:
+    """The C helper, put back for a ``single_path`` test that is about it."""
+    helper = fs._fsio.native_fsio()
+    if helper is None:
+        pytest.skip("the native fs I/O helper cannot be built here")
+    monkeypatch.setattr(fs, "_native_fsio", lambda: helper)
+    return helper
+
+
+@pytest.mark.single_path
+def test_closing_a_pool_waits_for_the_batches_in_flight(native: fs._fsio.FsIo) -> None:
+    pool = native.pool(2, "kvfs-r-waits")
+    assert pool is not None and pool.threads == 2
+    assert pool_threads("waits") == {"kvfs-r-waits": 2}
+    closer = threading.Thread(target=pool.close)
+    with pool.use():
+        closer.start()
+        with pool._idle:  # close() takes the handle away, then waits for this batch
+            assert pool._idle.wait_for(lambda: pool._handle is None, timeout=WAIT_S)
+        assert closer.is_alive()  # it cannot return while a batch is in flight
+        assert pool_threads("waits") == {"kvfs-r-waits": 2}
+    closer.join(WAIT_S)
+    assert not closer.is_alive()
+    assert pool_threads("waits") == {}
+    with pytest.raises(fs._fsio.PoolClosedError, match="kvfs-r-waits"), pool.use():
+        pass
+    pool.close()  # twice is harmless
+
+
+@pytest.mark.single_path
+@pytest.mark.anyio
+async def test_batches_run_in_the_callers_thread_when_the_pools_are_gone(
+    disk_dir: Path, slots: Slots, native: fs._fsio.FsIo
+) -> None:
+    keys, views = keys_for(6), slots.make(6, PAGE)
+    expected = snapshot(views)
+    async with opened(new_tier(disk_dir)) as tier:
+        assert await tier.store(keys[:3], views[:3]) == [True] * 3
+        files = tier._ready()
+        await anyio.to_thread.run_sync(files.workers.close)  # as if closed under a call
+        assert await tier.store(keys[3:], views[3:]) == [True] * 3
+        for view in views:
+            view[:] = bytes(PAGE)
+        assert await tier.load(keys, views) == [True] * 6
+        assert snapshot(views) == expected
+        assert tier.statistics().detail.count("path=native") == 1
+
+
+@pytest.mark.single_path
+@pytest.mark.anyio
+async def test_no_pool_thread_starting_leaves_the_batches_in_the_callers_thread(
+    disk_dir: Path,
+    slots: Slots,
+    native: fs._fsio.FsIo,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(type(native), "pool", lambda self, threads, name: None)
+    keys, views = keys_for(4), slots.make(4, PAGE)
+    expected = snapshot(views)
+    with caplog.at_level(logging.WARNING, logger="kvtier_async.tiers.fs"):
+        async with opened(FsTier("nopool", TierContext(block_bytes=PAGE), 2, 2,
+                                 root_dir=disk_dir)) as tier:  # fmt: skip
+            assert await tier.store(keys, views) == [True] * 4
+            for view in views:
+                view[:] = bytes(PAGE)
+            assert await tier.load(keys, views) == [True] * 4
+    assert snapshot(views) == expected
+    assert pool_threads("nopool") == {}
+    assert caplog.text.count("no worker thread started") == 2  # once per pool, not per batch
+
+
+@pytest.mark.single_path
+@pytest.mark.anyio
+async def test_a_forked_child_loads_without_the_parents_pool_threads(
+    disk_dir: Path, slots: Slots, native: fs._fsio.FsIo
+) -> None:
+    keys, views = keys_for(4), slots.make(4, PAGE)
+    expected = snapshot(views)
+    async with opened(new_tier(disk_dir)) as tier:
+        assert await tier.store(keys, views) == [True] * 4  # the write pool runs now
+        files = tier._ready()
+        for view in views:
+            view[:] = bytes(PAGE)
+        pid = os.fork()
+        if pid == 0:  # the child: no pool threads here; a wait on them would hang
+            try:
+                good = files.load_many(keys, views) == [1] * 4 and snapshot(views) == expected
+                stored = files.store_many(keys_for(2), views[:2]) == [2, 2]
+                os._exit(0 if good and stored else 1)
+            finally:
+                os._exit(2)
+        pidfd = os.pidfd_open(pid)
+        try:
+            with anyio.move_on_after(WAIT_S):
+                await anyio.wait_readable(pidfd)  # the child has exited
+        finally:
+            os.close(pidfd)
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked child did not finish in {WAIT_S} s")
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert snapshot(views) == expected  # the child loaded into the shared slots

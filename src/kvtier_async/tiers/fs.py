@@ -46,13 +46,15 @@ lookups; never ``atime``), rebuilt at ``open`` from a scan of its rank directory
 record covers what this process has seen: blocks a live peer adds later count once this
 process touches them. Without ``max_bytes`` nothing is deleted but corrupt files.
 
-*Threads.* Every system call runs in a worker thread: lookups as one thread call per batch,
-loads and stores split into chunks of at least `MIN_CHUNK_BYTES`, at most one per worker,
-under two `anyio.CapacityLimiter`\\ s sized ``read_workers`` and ``write_workers``.
+*Threads.* Every system call runs off the event loop, under two `anyio.CapacityLimiter`\\ s
+sized ``read_workers`` and ``write_workers``; lookups are one worker-thread call per batch.
 The blocking half (`_BlockFiles`) is plain synchronous code, safe to call from many threads.
-It hands each chunk's file work to one call into the C helper `kvtier_async.tiers._fsio`
-(no GIL held for the whole chunk) when that could be built and files are published by
-rename; otherwise it runs the same steps in Python (``path=`` in ``detail`` says which).
+When the C helper `kvtier_async.tiers._fsio` could be built and files are published by
+rename, a load or store batch is one worker-thread call that hands the file work to the
+helper's pool of ``read_workers`` or ``write_workers`` C threads (started at the first
+batch, joined by `FsTier.aclose`), which move its blocks in parallel with no GIL held.
+Otherwise the Python path runs the same steps, the batch split into chunks of at least
+`MIN_CHUNK_BYTES`, at most one per worker (``path=`` in ``detail`` says which).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ import socket
 import stat
 import struct
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -85,7 +88,7 @@ from kvtier_async._log import get_logger
 from kvtier_async.config import ConfigError, Section
 from kvtier_async.tiers import _fsio
 from kvtier_async.tiers._checksum import CHECKSUM_NAME, checksum
-from kvtier_async.tiers._fsio import FsIo
+from kvtier_async.tiers._fsio import FsIo, Pool
 from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics, block_relpath
 
 __all__ = [
@@ -110,7 +113,8 @@ HEADER_BYTES: Final = 4096
 # in flight keep the disk busier. The run-to-run noise of that disk is larger than the gap.
 DEFAULT_READ_WORKERS: Final = 16
 DEFAULT_WRITE_WORKERS: Final = 32
-# Bytes per worker-thread call at least, when a batch is split across workers. A thread hop
+# Python path: bytes per worker-thread call at least, when a batch is split across workers
+# (the C path makes one call per batch and spreads the blocks over its own threads). A hop
 # costs 50-300 us of CPU on the 2-core development box (more under trio); 4 MiB takes ~3 ms
 # of disk time. Measured (256 KiB blocks, jobs of 16): one block per call used 2x the CPU of
 # 16 per call, and loads ran up to 1.5x slower.
@@ -228,7 +232,9 @@ class FsTier(SecondaryTier):
         log.info("fs tier open", tier=self.name, detail=self._files.describe())
 
     async def aclose(self) -> None:
-        self._files = None
+        files, self._files = self._files, None
+        if files is not None:
+            await anyio.to_thread.run_sync(files.close)
 
     async def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         files = self._ready()
@@ -286,7 +292,12 @@ class FsTier(SecondaryTier):
         try:
             root = os.path.abspath(self.root_dir)
             return _BlockFiles.open(
-                self.name, root, _path_context(self.ctx), self.max_bytes, self.fsync
+                self.name,
+                root,
+                _path_context(self.ctx),
+                self.max_bytes,
+                self.fsync,
+                (self.read_workers, self.write_workers),
             )
         except OSError as exc:
             raise OSError(
@@ -305,7 +316,10 @@ class FsTier(SecondaryTier):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
         if not keys:
             return []
-        spans = _spans(len(keys), self._chunk_blocks, int(limiter.total_tokens))
+        if self._ready().fsio is not None:  # the C pool spreads the blocks over its threads
+            spans = [(0, len(keys))]
+        else:
+            spans = _spans(len(keys), self._chunk_blocks, int(limiter.total_tokens))
         if len(spans) <= 1:
             return await anyio.to_thread.run_sync(fn, keys, blocks, limiter=limiter)
         results: list[list[int]] = [[] for _ in spans]
@@ -351,6 +365,48 @@ class _IoMode:
     publish: str  # "linkat" (AT_EMPTY_PATH), "proc-linkat" (/proc/self/fd) or "rename"
 
 
+class _Workers:
+    """The C worker pools of one open tier (`_fsio.Pool`), ``read`` and ``write``, each
+    started at its first batch, so a tier that only answers lookups starts no thread. Both
+    are joined by `close`, or when the tier is collected without one."""
+
+    def __init__(self, fsio: FsIo | None, name: str, reads: int, writes: int) -> None:
+        self._fsio = fsio
+        self._sizes = {"read": reads, "write": writes}
+        self._names = {"read": f"kvfs-r-{name}", "write": f"kvfs-w-{name}"}
+        self._pools: dict[str, Pool | None] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_pools, self._pools)
+
+    def pool(self, way: str) -> Pool | None:
+        """The pool for ``way``; None without the C helper, after `close`, or if no thread
+        could start (then each batch runs in its caller's thread)."""
+        if way in self._pools:  # started, or failed to
+            return self._pools[way]
+        with self._lock:
+            if self._fsio is None or self._closed:
+                return None
+            if way not in self._pools:
+                pool = self._fsio.pool(self._sizes[way], self._names[way])
+                if pool is None:
+                    log.warning("fs tier: no worker thread started; batches run in the"
+                                " caller's thread", pool=self._names[way])  # fmt: skip
+                self._pools[way] = pool
+            return self._pools[way]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._finalizer()
+
+
+def _close_pools(pools: dict[str, Pool | None]) -> None:
+    for pool in pools.values():
+        if pool is not None:
+            pool.close()
+
+
 class _BlockFiles:
     """Blocking block-file operations; every method may run in any worker thread."""
 
@@ -362,6 +418,7 @@ class _BlockFiles:
         mode: _IoMode,
         fsync: bool,
         usage: _Usage | None,
+        workers: tuple[int, int] = (DEFAULT_READ_WORKERS, DEFAULT_WRITE_WORKERS),
     ) -> None:
         self.name = name
         self.root = root
@@ -375,10 +432,21 @@ class _BlockFiles:
         self._publish = _PUBLISHERS[mode.publish]
         # The C batch path publishes by rename; the O_TMPFILE ways stay in Python.
         self.fsio = _native_fsio() if mode.publish == "rename" else None
+        self.workers = _Workers(self.fsio, name, *workers)
+
+    def close(self) -> None:
+        """Blocking: stop the C worker threads once the calls in flight have returned."""
+        self.workers.close()
 
     @classmethod
     def open(
-        cls, name: str, root: str, ctx: TierContext, max_bytes: int | None, fsync: bool
+        cls,
+        name: str,
+        root: str,
+        ctx: TierContext,
+        max_bytes: int | None,
+        fsync: bool,
+        workers: tuple[int, int] = (DEFAULT_READ_WORKERS, DEFAULT_WRITE_WORKERS),
     ) -> _BlockFiles:
         ns_dir = os.path.join(root, ctx.namespace)
         rank_dir = os.path.join(ns_dir, f"r{ctx.rank}")
@@ -391,7 +459,7 @@ class _BlockFiles:
         if usage is not None:
             usage.seed(blocks)
             _unlink_all(usage.trim())
-        return cls(name, root, ctx, mode, fsync, usage)
+        return cls(name, root, ctx, mode, fsync, usage, workers)
 
     def describe(self) -> str:
         io = "O_DIRECT" if self.mode.direct else "buffered"
@@ -469,8 +537,9 @@ class _BlockFiles:
             return outcomes
         heads = _scratch_pages("store", len(batch.indexes))
         batch.fill_headers(heads)
+        pool = self.workers.pool("write")
         if self.usage is None:
-            results = batch.store(fsio, heads, self.fsync, range(len(batch.indexes)))
+            results = batch.store(fsio, pool, heads, self.fsync, range(len(batch.indexes)))
         else:  # one block at a time, so that evictions never hit a block of this batch
             results = []
             for j, path in enumerate(batch.paths):
@@ -479,13 +548,14 @@ class _BlockFiles:
                 except OSError as exc:  # a block file larger than max_bytes
                     results.append((-(exc.errno or errno.EIO), 0))
                     continue
-                results += batch.store(fsio, heads, self.fsync, [j])
+                results += batch.store(fsio, pool, heads, self.fsync, [j])
         retry = [j for j, (code, step) in enumerate(results) if code == -errno.ENOENT and step == 1]
         if retry:  # directories vanished under us: forget them, make them, once more
             self._forget_dirs()
             for j in retry:
                 self._ensure_dir(batch.dirs[j])
-            for j, result in zip(retry, batch.store(fsio, heads, self.fsync, retry), strict=True):
+            again = batch.store(fsio, pool, heads, self.fsync, retry)
+            for j, result in zip(retry, again, strict=True):
                 results[j] = result
         for j, (code, step) in enumerate(results):
             index, path = batch.indexes[j], batch.paths[j]
@@ -616,7 +686,8 @@ class _BlockFiles:
         if not batch.indexes:
             return outcomes
         heads = _scratch_pages("load", len(batch.indexes))
-        for j, (code, problem, identity) in enumerate(batch.load(fsio, heads)):
+        pool = self.workers.pool("read")
+        for j, (code, problem, identity) in enumerate(batch.load(fsio, pool, heads)):
             path = batch.paths[j]
             if code == _fsio.LOAD_OK:
                 self._touch(path)
@@ -847,7 +918,7 @@ class _NativeBatch:
         _pack_fields(buffer, offset, key, self._nbytes, 0)  # the C loop fills in the sum
 
     def store(
-        self, fsio: FsIo, heads: _Pages, fsync: bool, subset: Sequence[int]
+        self, fsio: FsIo, pool: Pool | None, heads: _Pages, fsync: bool, subset: Sequence[int]
     ) -> list[tuple[int, int]]:
         """Store the blocks at positions ``subset``: ``(result, failed step)`` for each."""
         count = len(subset)
@@ -860,17 +931,18 @@ class _NativeBatch:
         c_bodies = _c_array(ctypes.c_void_p, [self._bodies[j] for j in subset])
         c_flags = _c_array(ctypes.c_int32, [self._flags[j] for j in subset])
         result, step, noted = (_c_array(ctypes.c_int32, [0] * count) for _ in range(3))
-        fsio.store_blocks(
+        args = _fsio.StoreArgs(
             count, _at(c_temps), _at(c_finals), _at(c_check), _at(c_heads), _at(c_bodies),
             _at(c_flags), HEADER_BYTES, self._nbytes, _PAYLOAD_SUM_AT, int(fsync), _at(result),
             _at(step), _at(noted),
         )  # fmt: skip
+        fsio.run(pool, args)
         for k, j in enumerate(subset):
             self.noted[j] = noted[k]
         return list(zip(result, step, strict=True))
 
     def load(
-        self, fsio: FsIo, heads: _Pages
+        self, fsio: FsIo, pool: Pool | None, heads: _Pages
     ) -> list[tuple[int, Exception | None, tuple[int, int] | None]]:
         """Load every block: ``(result, the problem, (device, inode) of the file read)``."""
         count = len(self.keys)
@@ -887,11 +959,12 @@ class _NativeBatch:
         result, step = _c_array(ctypes.c_int32, [0] * count), _c_array(ctypes.c_int32, [0] * count)
         got = _c_array(ctypes.c_int64, [0] * count)
         dev, ino = _c_array(ctypes.c_uint64, [0] * count), _c_array(ctypes.c_uint64, [0] * count)
-        fsio.load_blocks(
-            count, _at(c_paths), _at(c_heads), _at(c_bodies), _at(c_flags), _at(c_expect),
-            HEADER_BYTES, self._nbytes, _PAYLOAD_SUM_AT, _at(result), _at(step), _at(got),
-            _at(dev), _at(ino),
+        args = _fsio.LoadArgs(
+            count, _at(c_paths), _at(c_heads), _at(c_bodies), _at(c_flags),
+            ctypes.addressof(c_expect), HEADER_BYTES, self._nbytes, _PAYLOAD_SUM_AT,
+            _at(result), _at(step), _at(got), _at(dev), _at(ino),
         )  # fmt: skip
+        fsio.run(pool, args)
         del c_expect
         outcomes: list[tuple[int, Exception | None, tuple[int, int] | None]] = []
         for j in range(count):
