@@ -28,6 +28,9 @@ __all__ = ["BUILD_ERRORS", "build_library", "disabled"]
 log = get_logger(__name__)
 
 _COMPILE_TIMEOUT_S: Final = 120.0
+# A call to an undeclared function compiles with a warning on older compilers and fails on
+# GCC 14 and later: make it fail everywhere, so a missing #include shows up here first.
+_STRICT: Final = ("-Wall", "-Werror=implicit-function-declaration")
 # What a failed build or load raises; callers catch these and fall back.
 BUILD_ERRORS: Final = (OSError, subprocess.SubprocessError, RuntimeError)
 
@@ -39,7 +42,7 @@ def disabled(variable: str) -> bool:
 
 def build_library(stem: str, source: str, flags: Sequence[str] = ()) -> Path:
     """Compile ``source`` once per source version, flags and machine; return the library."""
-    key = f"{source}{' '.join(flags)}{platform.machine()}{sys.platform}"
+    key = f"{source}{' '.join((*_STRICT, *flags))}{platform.machine()}{sys.platform}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     directory = _cache_dir()
     target = directory / f"{stem}_{digest}.so"
@@ -52,7 +55,7 @@ def build_library(stem: str, source: str, flags: Sequence[str] = ()) -> Path:
         source_path.write_text(source)
         output = Path(scratch) / target.name
         command = [
-            *compiler.split(), "-O2", *flags, "-shared", "-fPIC", "-o", str(output),
+            *compiler.split(), "-O2", *_STRICT, *flags, "-shared", "-fPIC", "-o", str(output),
             str(source_path),
         ]  # fmt: skip
         done = subprocess.run(

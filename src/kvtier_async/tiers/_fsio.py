@@ -93,6 +93,7 @@ _SOURCE: Final = r"""
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -493,6 +494,7 @@ void kvtier_run(void *pool, int32_t kind, void *args) {
 }
 """
 
+_FLAGS: Final = ("-std=gnu11",)
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _I32 = ctypes.c_int32
@@ -606,9 +608,8 @@ def native_fsio() -> FsIo | None:
     it cannot be built, or its CRC-32C disagrees with the ``crc32c`` package."""
     if disabled("KVTIER_NATIVE_FS") or not hasattr(os, "O_DIRECT"):
         return None
-    flags = ["-std=gnu11"]
     try:
-        library = ctypes.CDLL(str(build_library("fsio", _SOURCE, flags)))
+        library = ctypes.CDLL(str(build_library("fsio", _SOURCE, _FLAGS)))
     except BUILD_ERRORS as exc:
         log.info("native fs I/O unavailable; using the Python path", error=str(exc))
         return None
