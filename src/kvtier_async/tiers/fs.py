@@ -311,7 +311,8 @@ class FsTier(SecondaryTier):
         blocks: Sequence[memoryview],
         limiter: anyio.CapacityLimiter,
     ) -> list[int]:
-        """Run ``fn`` over ``keys``/``blocks`` in worker threads, a chunk per thread call."""
+        """Run ``fn`` over ``keys``/``blocks`` in worker threads: the whole batch in one call
+        on the C path (its pool spreads the blocks), else a chunk per thread call."""
         if len(keys) != len(blocks):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
         if not keys:
