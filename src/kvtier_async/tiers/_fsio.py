@@ -429,6 +429,10 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* A worker needs little stack (a struct stat, two iovecs, libc's system call wrappers);
+   the default of 8 MiB each would reserve 8 GiB of address space for 1024 workers. */
+#define WORKER_STACK (256 * 1024)
+
 /* Start nthreads workers named name (at most 15 characters), with every signal blocked so
    that signals keep going to the interpreter's threads. NULL when not even one starts. */
 void *kvtier_pool_new(int32_t nthreads, const char *name) {
@@ -437,15 +441,19 @@ void *kvtier_pool_new(int32_t nthreads, const char *name) {
     if (!p) return NULL;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->work, NULL);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, WORKER_STACK);
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
     for (int k = 0; k < nthreads; k++) {
-        if (pthread_create(&p->threads[k], NULL, worker, p) != 0) break;
+        if (pthread_create(&p->threads[k], &attr, worker, p) != 0) break;
         pthread_setname_np(p->threads[k], name);
         p->nthreads++;
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
     if (p->nthreads == 0) {
         pthread_cond_destroy(&p->work);
         pthread_mutex_destroy(&p->mu);
