@@ -1191,3 +1191,17 @@ async def test_a_forked_child_loads_without_the_parents_pool_threads(
             pytest.fail(f"the forked child did not finish in {WAIT_S} s")
         assert os.waitstatus_to_exitcode(status) == 0
         assert snapshot(views) == expected  # the child loaded into the shared slots
+
+
+@pytest.mark.single_path
+def test_a_pool_of_the_most_workers_the_config_allows_starts_whole(
+    native: fs._fsio.FsIo,
+) -> None:
+    pool = native.pool(1024, "kvfs-w-most")  # n_*_workers: at most 1024
+    assert pool is not None
+    try:
+        assert pool.threads == 1024
+        assert pool_threads("most") == {"kvfs-w-most": 1024}
+    finally:
+        pool.close()
+    assert pool_threads("most") == {}
