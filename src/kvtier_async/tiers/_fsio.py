@@ -189,36 +189,31 @@ static uint32_t shift(uint32_t zeros[][256], uint32_t crc) {
 
 #if defined(__x86_64__)
 #include <nmmintrin.h>
+/* One round: three streams of len bytes from p (len a multiple of 8), the second and third
+   appended to the first by the zero-append operator for len bytes. Inlined with a constant
+   len, so each caller's loop is as if written out. */
+__attribute__((target("sse4.2"), always_inline))
+static inline uint64_t crc_three(uint64_t c0, const unsigned char *p, size_t len,
+                                 uint32_t zeros[][256]) {
+    const unsigned char *end = p + len;
+    uint64_t c1 = 0, c2 = 0;
+    do {
+        c0 = _mm_crc32_u64(c0, *(const uint64_t *)p);
+        c1 = _mm_crc32_u64(c1, *(const uint64_t *)(p + len));
+        c2 = _mm_crc32_u64(c2, *(const uint64_t *)(p + 2 * len));
+        p += 8;
+    } while (p < end);
+    c0 = shift(zeros, (uint32_t)c0) ^ (uint32_t)c1;
+    return shift(zeros, (uint32_t)c0) ^ (uint32_t)c2;
+}
+
 __attribute__((target("sse4.2")))
 static uint32_t crc_hard(uint32_t c32, const unsigned char *p, size_t n) {
-    uint64_t c0 = c32, c1, c2;
+    uint64_t c0 = c32;
     while (n && ((uintptr_t)p & 7)) { c0 = _mm_crc32_u8((uint32_t)c0, *p++); n--; }
-    while (n >= 3 * LONG) {
-        const unsigned char *end = p + LONG;
-        c1 = c2 = 0;
-        do {
-            c0 = _mm_crc32_u64(c0, *(const uint64_t *)p);
-            c1 = _mm_crc32_u64(c1, *(const uint64_t *)(p + LONG));
-            c2 = _mm_crc32_u64(c2, *(const uint64_t *)(p + 2 * LONG));
-            p += 8;
-        } while (p < end);
-        c0 = shift(zeros_long, (uint32_t)c0) ^ (uint32_t)c1;
-        c0 = shift(zeros_long, (uint32_t)c0) ^ (uint32_t)c2;
-        p += 2 * LONG; n -= 3 * LONG;
-    }
-    while (n >= 3 * SHORT) {
-        const unsigned char *end = p + SHORT;
-        c1 = c2 = 0;
-        do {
-            c0 = _mm_crc32_u64(c0, *(const uint64_t *)p);
-            c1 = _mm_crc32_u64(c1, *(const uint64_t *)(p + SHORT));
-            c2 = _mm_crc32_u64(c2, *(const uint64_t *)(p + 2 * SHORT));
-            p += 8;
-        } while (p < end);
-        c0 = shift(zeros_short, (uint32_t)c0) ^ (uint32_t)c1;
-        c0 = shift(zeros_short, (uint32_t)c0) ^ (uint32_t)c2;
-        p += 2 * SHORT; n -= 3 * SHORT;
-    }
+    for (; n >= 3 * LONG; p += 3 * LONG, n -= 3 * LONG) c0 = crc_three(c0, p, LONG, zeros_long);
+    for (; n >= 3 * SHORT; p += 3 * SHORT, n -= 3 * SHORT)
+        c0 = crc_three(c0, p, SHORT, zeros_short);
     while (n >= 8) { c0 = _mm_crc32_u64(c0, *(const uint64_t *)p); p += 8; n -= 8; }
     while (n) { c0 = _mm_crc32_u8((uint32_t)c0, *p++); n--; }
     return (uint32_t)c0;
