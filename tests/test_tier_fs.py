@@ -76,6 +76,16 @@ def io_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return path
 
 
+@pytest.fixture
+def native(monkeypatch: pytest.MonkeyPatch) -> fs._fsio.FsIo:
+    """The C helper, put back for a ``single_path`` test that is about it."""
+    helper = fs._fsio.native_fsio()
+    if helper is None:
+        pytest.skip("the native fs I/O helper cannot be built here")
+    monkeypatch.setattr(fs, "_native_fsio", lambda: helper)
+    return helper
+
+
 @pytest.fixture(autouse=True)
 def no_blocking_calls() -> Iterator[None]:
     """Fail any blocking call that the fs tier makes on the asyncio event loop."""
@@ -449,13 +459,14 @@ async def test_each_damage_gets_its_own_verdict(
 @pytest.mark.single_path
 @pytest.mark.parametrize("writer", ["native", "python"])
 async def test_both_io_paths_write_the_same_files(
-    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, writer: str
+    disk_dir: Path,
+    slots: Slots,
+    monkeypatch: pytest.MonkeyPatch,
+    writer: str,
+    native: fs._fsio.FsIo,
 ) -> None:
     """Files written by one path load on the other, and through `fs.verify_block` (as the
     obj tier reads them)."""
-    native = fs._fsio.native_fsio()
-    if native is None:
-        pytest.skip("the native fs I/O helper cannot be built here")
     paths = {"native": lambda: native, "python": lambda: None}
     reader = "python" if writer == "native" else "native"
     keys, views = keys_for(3), slots.make(3, 3 * PAGE)
@@ -1055,11 +1066,8 @@ async def test_calls_before_open_raise(disk_dir: Path) -> None:
 @pytest.mark.parametrize(
     "length", [0, 1, 7, 8, 9, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 771, 1 << 20]
 )
-def test_native_crc32c_matches_the_crc32c_package(length: int) -> None:
+def test_native_crc32c_matches_the_crc32c_package(length: int, native: fs._fsio.FsIo) -> None:
     """Around every stride of the interleaved loops, at every alignment mod 8."""
-    native = fs._fsio.native_fsio()
-    if native is None:
-        pytest.skip("the native fs I/O helper cannot be built here")
     data = os.urandom(length + 8)
     buffer = ctypes.create_string_buffer(data, len(data))
     for start in range(8):
@@ -1083,16 +1091,6 @@ def test_without_a_compiler_the_python_path_is_used(
     monkeypatch.setenv("KVTIER_NATIVE_FS", "1")
     built = fs._fsio.native_fsio.__wrapped__()
     assert built is not None and list(tmp_path.glob("fsio_*.so"))
-
-
-@pytest.fixture
-def native(monkeypatch: pytest.MonkeyPatch) -> fs._fsio.FsIo:
-    """The C helper, put back for a ``single_path`` test that is about it."""
-    helper = fs._fsio.native_fsio()
-    if helper is None:
-        pytest.skip("the native fs I/O helper cannot be built here")
-    monkeypatch.setattr(fs, "_native_fsio", lambda: helper)
-    return helper
 
 
 @pytest.mark.single_path
@@ -1127,8 +1125,7 @@ async def test_batches_run_in_the_callers_thread_when_the_pools_are_gone(
         files = tier._ready()
         await anyio.to_thread.run_sync(files.workers.close)  # as if closed under a call
         assert await tier.store(keys[3:], views[3:]) == [True] * 3
-        for view in views:
-            view[:] = bytes(PAGE)
+        wipe(views)
         assert await tier.load(keys, views) == [True] * 6
         assert snapshot(views) == expected
         assert tier.statistics().detail.count("path=native") == 1
@@ -1150,8 +1147,7 @@ async def test_no_pool_thread_starting_leaves_the_batches_in_the_callers_thread(
         async with opened(FsTier("nopool", TierContext(block_bytes=PAGE), 2, 2,
                                  root_dir=disk_dir)) as tier:  # fmt: skip
             assert await tier.store(keys, views) == [True] * 4
-            for view in views:
-                view[:] = bytes(PAGE)
+            wipe(views)
             assert await tier.load(keys, views) == [True] * 4
     assert snapshot(views) == expected
     assert pool_threads("nopool") == {}
@@ -1168,8 +1164,7 @@ async def test_a_forked_child_loads_without_the_parents_pool_threads(
     async with opened(new_tier(disk_dir)) as tier:
         assert await tier.store(keys, views) == [True] * 4  # the write pool runs now
         files = tier._ready()
-        for view in views:
-            view[:] = bytes(PAGE)
+        wipe(views)
         pid = os.fork()
         if pid == 0:  # the child: no pool threads here; a wait on them would hang
             try:
