@@ -419,7 +419,7 @@ class _BlockFiles:
         mode: _IoMode,
         fsync: bool,
         usage: _Usage | None,
-        workers: tuple[int, int] = (DEFAULT_READ_WORKERS, DEFAULT_WRITE_WORKERS),
+        workers: tuple[int, int],
     ) -> None:
         self.name = name
         self.root = root
@@ -447,7 +447,7 @@ class _BlockFiles:
         ctx: TierContext,
         max_bytes: int | None,
         fsync: bool,
-        workers: tuple[int, int] = (DEFAULT_READ_WORKERS, DEFAULT_WRITE_WORKERS),
+        workers: tuple[int, int],
     ) -> _BlockFiles:
         ns_dir = os.path.join(root, ctx.namespace)
         rank_dir = os.path.join(ns_dir, f"r{ctx.rank}")
