@@ -161,12 +161,12 @@ class ConnectorWorker:
         overlap and costs the scheduler the GIL."""
         assert self._router is not None
         src, dst = (device.gpu, device.cpu) if device.is_store else (device.cpu, device.gpu)
+        error: Exception | None = None
         try:
             self._router.execute(src, dst)
         except Exception as exc:
-            self._record(job_id, device, exc)
-        else:
-            self._record(job_id, device, None)
+            error = exc
+        self._record(job_id, device, error)
 
     def _record(self, job_id: int, device: DeviceJob, error: BaseException | None) -> None:
         self._meta.completed[job_id] = self._meta.completed.get(job_id, 0) + 1
