@@ -310,3 +310,85 @@ async def test_cancelled_while_draining_at_exit_still_closes_everything() -> Non
     assert cache._region is None and cache._engine is None
     stats = cache.ledger.primary.statistics()
     assert stats.pinned == 0 and stats.writing == 0
+
+
+# --- the caller's memory after a cancelled call -----------------------------------------------
+
+BIG = 4 << 20  # 32 blocks of 4 MiB: a 128 MiB copy, long enough to be cancelled midway
+
+
+async def test_a_cancelled_load_never_writes_the_callers_blocks_afterwards() -> None:
+    cfg = {"block_bytes": BIG, "num_slots": 32}
+    keys = ks(*range(32))
+    async with TieredKVCache(cfg) as cache:
+        await cache.store(keys, [np.full(BIG, 7, np.uint8) for _ in keys])
+        out = [np.zeros(BIG, np.uint8) for _ in keys]
+        with anyio.move_on_after(0.002) as scope:
+            await cache.load(keys, out)
+        assert scope.cancelled_caught, "the load finished before it could be cancelled"
+        for block in out:  # the caller reuses its buffers at once
+            block.fill(0xEE)
+        await cache.drain()  # a copy still running would end before this returns
+        overwritten = sum(int(np.count_nonzero(block != 0xEE)) for block in out)
+        assert overwritten == 0, f"{overwritten} bytes written after load() returned"
+        verify_idle(cache)
+
+
+async def test_a_cancelled_store_never_reads_the_callers_blocks_afterwards() -> None:
+    cfg = {"block_bytes": BIG, "num_slots": 32}
+    keys = ks(*range(32))
+    async with TieredKVCache(cfg) as cache:
+        src = [np.full(BIG, 7, np.uint8) for _ in keys]
+        with anyio.move_on_after(0.002) as scope:
+            await cache.store(keys, src)
+        assert scope.cancelled_caught, "the store finished before it could be cancelled"
+        for block in src:
+            block.fill(0xEE)  # bytes the store must never see
+        await cache.drain()
+        verify_idle(cache)
+        region = cache._slots
+        assert region is not None
+        stored = [k for k in keys if cache.ledger.primary.lookup(k) is LookupResult.HIT]
+        assert not stored  # a cancelled store publishes nothing
+        assert not np.any(region == 0xEE), "the store read the caller's blocks after returning"
+
+
+# --- keys are checked at the call ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (b"x" * 20, "keys: must be a list of offload keys"),
+        ("abcdef", "keys: must be a list of offload keys"),
+        ([k(1), "abcdef"], r"keys\[1\]: must be bytes"),
+        ([k(1), 5], r"keys\[1\]: must be bytes"),
+        ([b""], r"keys\[0\]: must be 5-68 bytes"),
+        ([b"abc"], r"keys\[0\]: must be 5-68 bytes"),
+        ([b"x" * 69], r"keys\[0\]: must be 5-68 bytes"),
+    ],
+)
+async def test_bad_keys_are_refused_at_the_call(keys: Any, message: str) -> None:
+    async with TieredKVCache(config()) as cache:
+        n = len(keys) if not isinstance(keys, (bytes, str)) else 1
+        for call in (
+            lambda: cache.lookup(keys),
+            lambda: cache.store(keys, blocks(*range(n))),
+            lambda: cache.load(keys, blocks(*range(n))),
+        ):
+            with pytest.raises((TypeError, ValueError), match=message):
+                await call()
+        verify_idle(cache)
+        assert cache.ledger.primary.statistics().used == 0
+
+
+async def test_every_call_after_close_raises() -> None:
+    async with TieredKVCache(config()) as cache:
+        await cache.store(ks(1), blocks(1))
+    for call in (
+        lambda: cache.lookup(ks(1)),
+        lambda: cache.store(ks(2), blocks(2)),
+        lambda: cache.load(ks(1), blocks(1)),
+    ):
+        with pytest.raises(RuntimeError, match="not open"):
+            await call()

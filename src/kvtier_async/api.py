@@ -46,6 +46,9 @@ __all__ = ["CacheConfig", "CacheStats", "StoreResult", "TieredKVCache"]
 log = get_logger(__name__)
 Bytes = npt.NDArray[np.uint8]
 
+_COPY_CHUNK = 4 << 20  # a device copy checks for cancellation after this many bytes
+_LET_GO_S = 30.0  # how long a cancelled call waits for its copy to stop touching its blocks
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -225,9 +228,13 @@ class TieredKVCache:
 
     @property
     def engine(self) -> Engine:
+        self._require_open()
+        assert self._engine is not None
+        return self._engine
+
+    def _require_open(self) -> None:
         if self._engine is None:
             raise RuntimeError("the cache is not open: use `async with TieredKVCache(...)`")
-        return self._engine
 
     @property
     def tiers(self) -> list[SecondaryTier]:
@@ -238,6 +245,8 @@ class TieredKVCache:
     async def lookup(self, keys: Sequence[bytes], req: Hashable | None = None) -> int:
         """How many leading keys are readable in the CPU tier, after promoting from the
         secondary tiers what they have (awaited: no RETRY dance for the caller)."""
+        _check_keys(keys)
+        self._require_open()
         token = req if req is not None else object()
         try:
             while True:
@@ -304,7 +313,9 @@ class TieredKVCache:
     ) -> StoreResult:
         """Copy the blocks of keys not held yet into the CPU tier; the cascade to every
         secondary tier runs in the background (`drain` waits for it)."""
+        _check_keys(keys)
         views = self._views(keys, blocks, writable=False)
+        self._require_open()
         out = self.ledger.prepare_store(keys, req if req is not None else object())
         if out is None:
             return StoreResult([], 0, no_room=True)
@@ -330,7 +341,9 @@ class TieredKVCache:
     async def load(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
         """Copy readable keys (see `lookup`) from the CPU tier into ``blocks``; how many
         arrived. Raises `LedgerError` if a key is not readable."""
+        _check_keys(keys)
         views = self._views(keys, blocks, writable=True)
+        self._require_open()
         if not keys:
             return 0
         slots = self.ledger.prepare_load(keys)
@@ -348,7 +361,12 @@ class TieredKVCache:
 
     async def _run(self, job: Job, give_back: Any) -> JobResult:
         """Submit and await a device job; whatever happens, its ``on_done`` or
-        ``give_back`` releases what the ledger reserved for it."""
+        ``give_back`` releases what the ledger reserved for it.
+
+        The job holds views of the caller's blocks: when the caller is cancelled, the job is
+        cancelled and awaited (shielded) before the cancellation goes on, so nothing of ours
+        reads or writes the caller's memory once the call has returned. A copy checks for
+        cancellation every `_COPY_CHUNK` bytes, so this wait is short."""
         try:
             handle = await self.engine.submit(job)
         except BaseException:
@@ -360,6 +378,15 @@ class TieredKVCache:
             return exc.result
         except BaseException:
             handle.cancel()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_LET_GO_S) as waited:
+                await handle.wait_ended()
+            if waited.cancelled_caught:  # a copy stuck in the device: nothing else to do
+                log.error(
+                    "a cancelled copy did not stop in time; it may still use the caller's blocks",
+                    job_id=job.job_id,
+                    kind=job.kind.value,
+                    waited_s=_LET_GO_S,
+                )
             raise
 
     # --- device copies (the device lane's executor) ------------------------------------
@@ -378,22 +405,32 @@ class TieredKVCache:
         return (True,) * len(views), len(views) * self.config.block_bytes
 
     def _copy_blocks(self, slot_ids: Sequence[int], views: list[Any], to_cpu: bool) -> None:
+        """Copy in a worker thread, `_COPY_CHUNK` bytes at a time, stopping at the first
+        chunk boundary after the job was cancelled (see `_run`)."""
         slots = self._slots
         assert slots is not None
         if not all(isinstance(view, np.ndarray) for view in views):
             import torch  # device tensors among the blocks; imported once per job
+        since_check = 0
         for slot, view in zip(slot_ids, views):
-            if isinstance(view, np.ndarray):
-                if to_cpu:
-                    slots[slot] = view
-                else:
-                    view[:] = slots[slot]
-            else:  # a device tensor
-                row = torch.from_numpy(slots[slot])
-                if to_cpu:
-                    row.copy_(view)
-                else:
-                    view.copy_(row)
+            row = slots[slot]
+            for start in range(0, len(row), _COPY_CHUNK):
+                if since_check >= _COPY_CHUNK:
+                    anyio.from_thread.check_cancelled()
+                    since_check = 0
+                end = min(start + _COPY_CHUNK, len(row))
+                if isinstance(view, np.ndarray):
+                    if to_cpu:
+                        row[start:end] = view[start:end]
+                    else:
+                        view[start:end] = row[start:end]
+                else:  # a device tensor
+                    part = torch.from_numpy(row[start:end])
+                    if to_cpu:
+                        part.copy_(view[start:end])
+                    else:
+                        view[start:end].copy_(part)
+                since_check += end - start
 
     # --- state -------------------------------------------------------------------------
 
@@ -423,6 +460,29 @@ class TieredKVCache:
             self._lookups,
             self._lookup_hits,
         )
+
+
+_KEY_BYTES = (5, 4 + 64)  # a block hash of 1-64 bytes and a 4-byte group index
+
+
+def _check_keys(keys: object) -> None:
+    """Refuse, before anything is reserved, what is not a sequence of offload keys."""
+    if isinstance(keys, (str, bytes, bytearray, memoryview)) or not isinstance(keys, Sequence):
+        raise TypeError(
+            "keys: must be a list of offload keys (bytes from make_offload_key), "
+            f"got {type(keys).__name__}"
+        )
+    low, high = _KEY_BYTES
+    for index, key in enumerate(keys):
+        if type(key) is not bytes:
+            raise TypeError(
+                f"keys[{index}]: must be bytes (from make_offload_key), got {type(key).__name__}"
+            )
+        if not low <= len(key) <= high:
+            raise ValueError(
+                f"keys[{index}]: must be {low}-{high} bytes (a block hash and a 4-byte group "
+                f"index, see make_offload_key), got {len(key)}"
+            )
 
 
 def _as_bytes(block: Any, block_bytes: int, index: int, writable: bool) -> Any:

@@ -135,13 +135,21 @@ class JobHandle:
             self._resolve(JobResult.cancelled_result(self.job))
 
     async def wait(self) -> JobResult:
+        """The result, once the job ended; raises `JobError` if it failed."""
+        await self.wait_ended()
+        return self.result()
+
+    async def wait_ended(self) -> JobResult:
+        """The result, once the job ended, whatever the outcome (never raises `JobError`):
+        after `cancel`, this is how a caller knows the job let go of what it used."""
         if self._result is None:
             if self._event is None:
                 self._event = anyio.Event()
             await self._event.wait()
         else:
             await anyio.lowlevel.checkpoint()
-        return self.result()
+        assert self._result is not None
+        return self._result
 
     def __await__(self) -> Generator[Any, None, JobResult]:
         return self.wait().__await__()

@@ -39,6 +39,8 @@ _GROUP_BYTES = 4
 
 def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
     """Pack a block hash and a KV-cache group index into one key."""
+    if not block_hash:
+        raise ValueError("block_hash must not be empty")
     if not 0 <= group_idx < 1 << 32:
         raise ValueError(f"group_idx must be in [0, 2**32), got {group_idx}")
     return OffloadKey(block_hash + group_idx.to_bytes(_GROUP_BYTES, "big"))
@@ -47,7 +49,10 @@ def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
 def split_offload_key(key: bytes) -> tuple[bytes, int]:
     """Return ``(block_hash, group_idx)`` of a key built by `make_offload_key`."""
     if len(key) <= _GROUP_BYTES:
-        raise ValueError(f"an offload key is longer than {_GROUP_BYTES} bytes, got {len(key)}")
+        raise ValueError(
+            f"an offload key is a block hash and a {_GROUP_BYTES}-byte group index, so longer "
+            f"than {_GROUP_BYTES} bytes; got {len(key)} bytes"
+        )
     return key[:-_GROUP_BYTES], int.from_bytes(key[-_GROUP_BYTES:], "big")
 
 
