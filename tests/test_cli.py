@@ -8,6 +8,7 @@ import subprocess
 import sys
 import types
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,11 @@ def fake_run(
     get_logger("kvtier_async.bench.fake").info("fake ran", quick=quick)
     case = "quick" if quick else "full"
     record = throughput_record("fake", case, "ops_per_s", 10.0, reference=5.0, target=1.5)
-    return [record]
+    missed = throughput_record("fake", case, "hit_rate", 0.5, reference=1.0, target=1.0)
+    return [record, missed] if FAIL_ONE else [record]
+
+
+FAIL_ONE = False
 
 
 @pytest.fixture
@@ -59,13 +64,17 @@ def test_unknown_benchmark_in_process(capsys: pytest.CaptureFixture[str]) -> Non
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["version"]) == 0
     assert capsys.readouterr().out.strip() == __version__
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvtier {__version__}"
 
 
 @pytest.mark.usefixtures("fake_bench")
 def test_bench_prints_a_table_and_sends_progress_and_logs_to_stderr(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["bench"]) == 0  # no NAME: every registered benchmark
+    assert main(["-v", "bench"]) == 0  # no NAME: every registered benchmark
     out, err = capsys.readouterr()
     assert out.splitlines()[2].split() == [
         "fake", "full", "ops_per_s", "10", "5", "2.00x", "1.50x", "yes",
@@ -77,11 +86,56 @@ def test_bench_prints_a_table_and_sends_progress_and_logs_to_stderr(
 
 
 @pytest.mark.usefixtures("fake_bench")
-def test_bench_json_quick(capsys: pytest.CaptureFixture[str]) -> None:
+def test_logs_are_quiet_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "fake"]) == 0
+    err = capsys.readouterr().err
+    assert "fake: halfway" in err  # progress
+    assert "fake ran" not in err  # an INFO log line: only with -v
+
+
+@pytest.mark.usefixtures("fake_bench")
+def test_bench_json_quick_has_no_verdicts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "fake", "--json", "--quick"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [json.loads(line)["case"] for line in lines] == ["quick"]
-    assert json.loads(lines[0])["meets"] is True
+    assert json.loads(lines[0])["meets"] is None  # a quick sample cannot support one
+    assert json.loads(lines[0])["ratio"] == 2.0  # the figures are still there
+
+
+@pytest.mark.usefixtures("fake_bench")
+def test_a_quick_table_says_so_and_shows_no_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "fake", "--quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("quick run:")
+    assert lines[3].split()[-1] == "-"
+
+
+@pytest.mark.usefixtures("fake_bench")
+def test_check_exits_1_on_a_missed_target(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert main(["bench", "fake", "--check"]) == 0  # every target met
+    monkeypatch.setattr(sys.modules[__name__], "FAIL_ONE", True)
+    assert main(["bench", "fake", "--check"]) == 1
+    assert "bench --check: fake full hit_rate: 0.50x, target 1.00x" in capsys.readouterr().err
+    assert main(["bench", "fake"]) == 0  # without --check, a miss is only reported
+
+
+@pytest.mark.usefixtures("fake_bench")
+def test_check_refuses_a_quick_run(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "fake", "--check", "--quick"])
+    assert exit_info.value.code == 2
+    assert "--check judges targets" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("fake_bench")
+def test_plot_writes_one_png_per_benchmark(tmp_path: Any) -> None:
+    pytest.importorskip("matplotlib")
+    assert main(["bench", "fake", "--plot", str(tmp_path / "figs")]) == 0
+    figure = tmp_path / "figs" / "fake.png"
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert figure.stat().st_mode & 0o777 == 0o600
 
 
 @pytest.mark.usefixtures("fake_bench")

@@ -1,8 +1,12 @@
 """The ``kvtier`` command: ``bench``, ``demo`` and ``version``.
 
 This is the only place that configures log output: `configure_logging` sends the library's
-``logging`` records to stderr, rendered by structlog's console renderer. Results go to stdout;
-progress notes go to stderr.
+``logging`` records to stderr, rendered by structlog's console renderer: warnings and errors
+by default, INFO with ``-v``, DEBUG with ``-vv``. Results go to stdout; progress notes go to
+stderr.
+
+Exit status: 0 on success, 1 when ``bench --check`` finds a missed target or a command fails,
+2 on a usage error.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import Sequence
 import structlog
 
 from kvtier_async import __version__, bench
-from kvtier_async.bench.report import BenchRecord, render_table
+from kvtier_async.bench.report import BenchRecord, as_quick, misses, render_table
 
 __all__ = ["configure_logging", "main", "print_records", "run_benchmarks"]
 
@@ -25,7 +29,10 @@ _DESCRIPTION = "kvtier-async: a three-tier KV cache (GPU -> CPU -> files / S3)."
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line *argv* (default ``sys.argv[1:]``); return the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "check", False) and args.quick:
+        parser.error("--check judges targets, which a --quick run cannot: drop one of them")
     handler = configure_logging(args.verbose)
     try:
         status: int = args.command(args)
@@ -34,8 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger().removeHandler(handler)
 
 
-def configure_logging(verbose: bool) -> logging.Handler:
-    """Render ``kvtier_async`` log records (INFO, or DEBUG if *verbose*) to stderr.
+def configure_logging(verbose: int) -> logging.Handler:
+    """Render ``kvtier_async`` log records to stderr: WARNING and above, INFO too if
+    *verbose* is 1, DEBUG too from 2.
 
     Returns the handler added to the root logger, so a caller can remove it again.
     """
@@ -53,19 +61,33 @@ def configure_logging(verbose: bool) -> logging.Handler:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter)
     logging.getLogger().addHandler(handler)
-    logging.getLogger("kvtier_async").setLevel(logging.DEBUG if verbose else logging.INFO)
+    levels = (logging.WARNING, logging.INFO, logging.DEBUG)
+    logging.getLogger("kvtier_async").setLevel(levels[min(max(verbose, 0), 2)])
     return handler
 
 
 def _parser() -> argparse.ArgumentParser:
     """The argument parser: one subcommand per action, each storing its function."""
     parser = argparse.ArgumentParser(prog="kvtier", description=_DESCRIPTION)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log DEBUG lines too")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log INFO lines (-vv: DEBUG too); by default only warnings and errors",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     run = commands.add_parser("bench", help="run benchmarks (all if no NAME is given)")
     run.add_argument("names", nargs="*", type=_bench_name, metavar="NAME", help=_names_help())
     run.add_argument("--json", action="store_true", help="print one JSON object per line")
-    run.add_argument("--quick", action="store_true", help="a short smoke run")
+    run.add_argument(
+        "--quick", action="store_true", help="a short smoke run: figures, but no verdicts"
+    )
+    run.add_argument(
+        "--check", action="store_true", help="exit 1 if a full run misses any target (scripts)"
+    )
+    run.add_argument("--plot", metavar="DIR", help="write PNG figures there (needs matplotlib)")
     run.set_defaults(command=_bench)
     show = commands.add_parser("demo", help="a simulated multi-turn chat through the tiers")
     show.add_argument("--conversations", type=_positive, default=24, help="default 24")
@@ -100,28 +122,45 @@ def _bench_name(name: str) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    """``kvtier bench``: run the named benchmarks, then print their records."""
+    """``kvtier bench``: run the named benchmarks, print their records, plot and check."""
     records = run_benchmarks(args.names or list(bench.BENCHMARKS), quick=args.quick)
-    print_records(records, as_json=args.json)
+    print_records(records, as_json=args.json, quick=args.quick)
+    if args.plot:
+        from kvtier_async.bench.plot import PlotUnavailableError, write_plots
+
+        try:
+            paths = write_plots(records, args.plot, quick=args.quick)
+        except PlotUnavailableError as exc:
+            print(f"kvtier bench: {exc}", file=sys.stderr)
+            return 1
+        _progress(f"bench: {len(paths)} figures written to {args.plot}")
+    if args.check and (missed := misses(records)):
+        for record in missed:
+            _progress(
+                f"bench --check: {record.bench} {record.case} {record.metric}: "
+                f"{record.ratio:.2f}x, target {record.target:.2f}x"
+            )
+        return 1
     return 0
 
 
 def run_benchmarks(names: Sequence[str], *, quick: bool) -> list[BenchRecord]:
-    """Run each benchmark in *names*, noting progress on stderr; return all records."""
+    """Run each benchmark in *names*, noting progress on stderr; return all records (a
+    quick run's without verdicts: see `as_quick`)."""
     records: list[BenchRecord] = []
     for name in names:
         _progress(f"bench {name}: running{' (quick)' if quick else ''}")
         records += bench.load(name)(quick=quick, progress=_progress)
-    return records
+    return as_quick(records) if quick else records
 
 
-def print_records(records: Sequence[BenchRecord], *, as_json: bool) -> None:
+def print_records(records: Sequence[BenchRecord], *, as_json: bool, quick: bool = False) -> None:
     """Print *records* to stdout: a table, or one JSON object per line."""
     if as_json:
         for record in records:
             print(record.to_json_line())
     else:
-        print(render_table(records))
+        print(render_table(records, quick=quick))
 
 
 def _progress(message: str) -> None:

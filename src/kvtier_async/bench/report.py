@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-__all__ = ["JSON_KEYS", "BenchRecord", "latency_record", "render_table", "throughput_record"]
+__all__ = [
+    "JSON_KEYS",
+    "BenchRecord",
+    "as_quick",
+    "latency_record",
+    "misses",
+    "render_table",
+    "throughput_record",
+]
 
 JSON_KEYS = (
     "bench",
@@ -44,6 +52,10 @@ class BenchRecord:
     target: float | None = None
     meets: bool | None = None
     unit: str = ""
+    # Raw measurements behind ``ours`` and ``reference`` (e.g. per-step times), for plots;
+    # not in JSON lines.
+    samples: tuple[float, ...] = field(default=(), repr=False, compare=False)
+    reference_samples: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
     def to_json_line(self) -> str:
         """The record as one JSON object with exactly `JSON_KEYS` (null where absent)."""
@@ -107,13 +119,32 @@ def _record(
     )
 
 
-def render_table(records: Iterable[BenchRecord]) -> str:
-    """An aligned text table of *records*, then the name of each bench's reference."""
+QUICK_NOTE = "quick run: short samples, so no verdicts (meets = -); run without --quick to judge"
+
+
+def as_quick(records: Iterable[BenchRecord]) -> list[BenchRecord]:
+    """The records of a quick run: figures kept, verdicts dropped (``meets`` None).
+
+    A quick run's samples are too small to support a verdict either way: a ratio that would
+    meet its target in a full run can read 0.5x on a short sample, and the reverse."""
+    return [replace(record, meets=None) for record in records]
+
+
+def misses(records: Iterable[BenchRecord]) -> list[BenchRecord]:
+    """The records that missed their target (``meets`` False)."""
+    return [record for record in records if record.meets is False]
+
+
+def render_table(records: Iterable[BenchRecord], *, quick: bool = False) -> str:
+    """An aligned text table of *records*, then the name of each bench's reference; a quick
+    run's table says so on its first line."""
     records = list(records)
     rows = [_COLUMNS, *(_cells(record) for record in records)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     lines = [_join(row, widths) for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
+    if quick:
+        lines.insert(0, QUICK_NOTE)
     return "\n".join(lines + _reference_notes(records))
 
 
