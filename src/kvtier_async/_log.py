@@ -14,7 +14,6 @@ with pytest's ``caplog`` instead.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 import structlog
@@ -25,7 +24,7 @@ __all__ = ["get_logger"]
 # Frames between the caller and ``logging.Logger.<method>``: structlog's BoundLogger.<method>,
 # its _proxy_to_logger, and BoundLoggerBase._proxy_to_logger. Python 3.10 counts one more frame
 # (it did not skip logging's own frames before counting; fixed in 3.11).
-_STACKLEVEL = 4 if sys.version_info >= (3, 11) else 5
+_STACKLEVEL = 4
 
 
 def _render(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> Any:

@@ -14,7 +14,6 @@ The engine never touches a ledger. It runs jobs and hands each `JobResult` to th
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
@@ -25,9 +24,6 @@ from kvtier_async.tiers.base import SecondaryTier
 
 from .jobs import Job, JobHandle, JobKind, JobResult
 from .lane import Executor, Lane, LaneStatistics
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["Engine", "EngineClosed"]
 

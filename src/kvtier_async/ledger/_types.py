@@ -86,7 +86,7 @@ class JobKind(enum.Enum):
         return self in (JobKind.LOAD, JobKind.PROMOTE, JobKind.LOOKUP)
 
 
-class Medium(str, enum.Enum):
+class Medium(enum.StrEnum):
     """Where a block lives."""
 
     GPU = "GPU"

@@ -60,7 +60,7 @@ class CompletionEvent(Protocol):
     def synchronize(self) -> None: ...
 
 
-class BridgeStrategy(str, enum.Enum):
+class BridgeStrategy(enum.StrEnum):
     THREAD = "thread"
     POLL = "poll"
 
