@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvtier_async.api import CacheStats, TieredKVCache
-from kvtier_async.ledger import make_offload_key
+from kvtier_async.ledger import prefix_keys
 
 __all__ = ["DemoReport", "default_config", "render_report", "run_demo"]
 
@@ -77,14 +77,8 @@ class Conversation:
 
 
 def block_keys(tokens: list[int]) -> list[bytes]:
-    """Chained hashes of full 16-token blocks, like vLLM's prefix-cache hashes."""
-    keys: list[bytes] = []
-    parent = b"kvtier-demo"
-    for start in range(0, len(tokens) - TOKENS_PER_BLOCK + 1, TOKENS_PER_BLOCK):
-        chunk = np.asarray(tokens[start : start + TOKENS_PER_BLOCK], dtype=np.int32).tobytes()
-        parent = hashlib.sha256(parent + chunk).digest()[:16]
-        keys.append(make_offload_key(parent, 0))
-    return keys
+    """The prompt's offload keys: one per full 16-token block, chained like vLLM's hashes."""
+    return prefix_keys(tokens, block_tokens=TOKENS_PER_BLOCK, salt=b"kvtier-demo")
 
 
 def schedule(num_convs: int, turns: int, seed: int) -> Iterator[int]:

@@ -18,6 +18,7 @@ from ._types import (
     make_offload_key,
     split_offload_key,
 )
+from .keys import prefix_keys
 from .policies import ARCPolicy, CachePolicy, LRUPolicy, SlotTable, make_policy
 from .primary import LedgerStatistics, PrimaryLedger
 from .tiering import StorePolicy, TierCounters, TieringLedger, TierTask
@@ -46,5 +47,6 @@ __all__ = [
     "get_group_idx",
     "make_offload_key",
     "make_policy",
+    "prefix_keys",
     "split_offload_key",
 ]
