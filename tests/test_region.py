@@ -473,6 +473,52 @@ def test_every_worker_restarting_at_once_reclaims_once(shm_dir: Path, iid: str) 
     assert list(shm_dir.iterdir()) == []
 
 
+def test_a_new_region_sweeps_dead_regions_of_other_ids(shm_dir: Path, iid: str) -> None:
+    """A fresh id at each start: the dead regions of earlier starts do not pile up."""
+    _kill_a_creator(f"{iid}-earlier", shm_dir)
+    with SharedRegion(f"{iid}-next", 1, 8, directory=shm_dir) as region:
+        assert sorted(shm_dir.iterdir()) == [region.path, owner_path(region.path)]
+    assert list(shm_dir.iterdir()) == []
+
+
+def _cache_owner(config: dict[str, Any], ready: Event, never: Event) -> None:
+    """Open a TieredKVCache (the async face) and hold it until killed."""
+    import anyio
+
+    from kvtier_async.api import TieredKVCache
+
+    async def main() -> None:
+        async with TieredKVCache(config):
+            ready.set()
+            await anyio.to_thread.run_sync(never.wait)
+
+    anyio.run(main)
+
+
+def test_the_async_face_restarts_after_sigkill(shm_dir: Path, iid: str) -> None:
+    import anyio
+
+    from kvtier_async.api import TieredKVCache
+
+    config = {"block_bytes": 4096, "num_slots": 2, "instance_id": iid, "region_dir": str(shm_dir)}
+    ready, never = CTX.Event(), CTX.Event()
+    proc = CTX.Process(target=_cache_owner, args=(config, ready, never))
+    proc.start()
+    try:
+        assert ready.wait(WAIT_S)
+    finally:
+        proc.kill()
+        proc.join(WAIT_S)
+    dead_inode = region_path(shm_dir, iid).stat().st_ino
+
+    async def restart() -> int:
+        async with TieredKVCache(config):
+            return region_path(shm_dir, iid).stat().st_ino
+
+    assert anyio.run(restart) != dead_inode
+    assert list(shm_dir.iterdir()) == []
+
+
 def _mapper(iid: str, directory: str, joined: Event, release: Event) -> None:
     with SharedRegion(iid, 2, 8, directory=directory) as region:
         assert not region.is_creator

@@ -32,7 +32,8 @@ and the handle raises :class:`StaleRegionError` instead. So a restart after a cr
 (``kill -9``) with the same ``instance_id`` just works, in every face that builds a
 ``SharedRegion``. A joiner takes its shared lock only after judging the owner alive and
 then checks that the file is still linked at its path, so it never maps a file that was
-reclaimed under it.
+reclaimed under it. A creator also sweeps its directory once (:func:`remove_stale_regions`),
+so the regions of dead processes with other ids (a fresh id each start) do not pile up.
 
 *Layout.* A slot is padded to a page-aligned row of ``row_bytes`` and rows are
 interleaved by worker: slot ``b`` of worker ``w`` is row ``b * num_workers + w``::
@@ -200,6 +201,8 @@ class SharedRegion:
         # The descriptor (and its shared lock) lives as long as the mapping: closed by
         # close(), or when the mapping is collected after its last view.
         self._release_fd = weakref.finalize(self._mm, os.close, fd)
+        if self._creator:
+            _sweep(self._path.parent)
         self._address = _buffer_address(self._mm)
         log.info(
             "shared region ready",
@@ -554,6 +557,15 @@ def remove_stale_regions(
             log.info("removed stale shared region", path=str(path))
             removed.append(path)
     return removed
+
+
+def _sweep(directory: Path) -> None:
+    """Remove the stale regions in ``directory``; a failure is logged, never raised."""
+    try:
+        remove_stale_regions(directory)
+    except OSError as exc:
+        log.warning("could not remove stale shared regions", directory=str(directory),
+                    error=str(exc))  # fmt: skip
 
 
 def _remove_stale(path: Path, now: float, grace_s: float) -> bool:
