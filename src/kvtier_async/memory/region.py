@@ -531,7 +531,9 @@ def find_stale_regions(
     A file without a (matching) owner record is reported once it is older than
     ``missing_owner_grace_s``: its creator died between creating it and writing the
     record, which takes microseconds. A region whose creator is alive is never
-    reported; neither is one whose creator is in another pid namespace.
+    reported; neither is one whose creator is in another pid namespace, nor a file of
+    another user. A reported region may still be mapped by a live peer of its creator
+    (:func:`remove_stale_regions` leaves those).
     """
     now = time.time()
     return [
