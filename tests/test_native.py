@@ -8,7 +8,11 @@ strict flags `build_library` always adds, and must build.
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -44,3 +48,96 @@ def test_a_call_to_an_undeclared_function_fails_the_build(
     with pytest.raises(RuntimeError, match="implicit declaration"):
         _native.build_library("undeclared", source)
     assert not list(tmp_path.glob("undeclared_*.so"))
+
+
+# -- where a library may be loaded from ----------------------------------------------------
+
+TINY = "int kvtier_tiny(void) { return 7; }\n"
+
+
+@pytest.fixture(autouse=True)
+def fresh_private_dirs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test sees its own process-wide map of refused cache directories."""
+    monkeypatch.setattr(_native, "_PRIVATE", {}, raising=False)
+
+
+def _load(path: Path) -> int:
+    return int(ctypes.CDLL(str(path)).kvtier_tiny())
+
+
+def test_a_new_cache_and_its_libraries_are_private_whatever_the_umask(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(cache))
+    old = os.umask(0)
+    try:
+        built = _native.build_library("tiny", TINY)
+    finally:
+        os.umask(old)
+    assert built.parent == cache
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    assert stat.S_IMODE(built.stat().st_mode) == 0o700
+    assert _load(built) == 7
+
+
+def _plant(directory: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A file where `build_library("tiny", TINY)` looks for its library in ``directory``,
+    holding something that is not that library."""
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "learn"))
+    name = _native.build_library("tiny", TINY).name
+    planted = directory / name
+    planted.write_bytes(b"not the library")
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(directory))
+    return planted
+
+
+@pytest.mark.parametrize("problem", ["others may write", "another owner"])
+def test_a_cache_directory_that_is_not_private_is_not_used(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    problem: str,
+) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    planted = _plant(cache, tmp_path, monkeypatch)
+    if problem == "others may write":
+        cache.chmod(0o777)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give a directory away")
+        os.chown(cache, 65534, 65534)
+    with caplog.at_level(logging.WARNING, logger="kvtier_async._native"):
+        built = _native.build_library("tiny", TINY)
+        again = _native.build_library("tiny", TINY)
+    assert built.parent != cache and again == built
+    assert _load(built) == 7
+    assert planted.read_bytes() == b"not the library"
+    assert stat.S_IMODE(built.parent.stat().st_mode) == 0o700
+    (record,) = [r for r in caplog.records if "not private" in r.getMessage()]  # once
+    assert str(cache) in record.getMessage()
+
+
+@pytest.mark.parametrize("problem", ["others may write", "another owner", "symlink"])
+def test_a_cached_library_that_is_not_private_is_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, problem: str
+) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    planted = _plant(cache, tmp_path, monkeypatch)
+    if problem == "others may write":
+        planted.chmod(0o666)
+    elif problem == "another owner":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give a file away")
+        os.chown(planted, 65534, 65534)
+    else:
+        target = tmp_path / "elsewhere.so"
+        planted.rename(target)
+        planted.symlink_to(target)
+    built = _native.build_library("tiny", TINY)
+    assert built == planted and not built.is_symlink()
+    st = built.stat()
+    assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
+    assert _load(built) == 7

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -414,9 +415,6 @@ def test_killed_creator_leaves_a_stale_region(shm_dir: Path, iid: str) -> None:
             proc.join()
             assert find_stale_regions(shm_dir) == [dead]
 
-            with pytest.raises(StaleRegionError, match="remove_stale_regions"):
-                SharedRegion(f"{iid}-dead", 2, 8, directory=shm_dir)
-
             assert remove_stale_regions(shm_dir) == [dead]
             assert not dead.exists() and not owner_path(dead).exists()
             assert live.path.exists() and owner_path(live.path).exists()
@@ -426,6 +424,221 @@ def test_killed_creator_leaves_a_stale_region(shm_dir: Path, iid: str) -> None:
             proc.kill()
         proc.join()
     assert list(shm_dir.iterdir()) == []
+
+
+def _kill_a_creator(iid: str, directory: Path) -> int:
+    """Start a process that creates region ``iid`` (2 slots of 8 bytes), SIGKILL it, reap
+    it; return the inode of the region file it leaves behind."""
+    ready, never = CTX.Event(), CTX.Event()
+    proc = CTX.Process(target=_doomed_creator, args=(iid, str(directory), ready, never))
+    proc.start()
+    try:
+        assert ready.wait(WAIT_S)
+    finally:
+        proc.kill()
+        proc.join(WAIT_S)
+    path = region_path(directory, iid)
+    assert json.loads(owner_path(path).read_text())["pid"] == proc.pid
+    return path.stat().st_ino
+
+
+def test_restart_after_sigkill_reclaims_the_region(
+    shm_dir: Path, iid: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead_inode = _kill_a_creator(iid, shm_dir)
+    # same instance_id, another layout: the dead region is removed, a new one created
+    with caplog.at_level(logging.WARNING, logger="kvtier_async.memory.region"):
+        region = SharedRegion(iid, 4, 8, directory=shm_dir, wait_timeout_s=WAIT_S)
+    with region:
+        assert region.is_creator and region.num_slots == 4
+        assert region.path.stat().st_ino != dead_inode
+        assert json.loads(owner_path(region.path).read_text())["pid"] == os.getpid()
+        assert "reclaimed the shared region of a dead process" in caplog.text
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_every_worker_restarting_at_once_reclaims_once(shm_dir: Path, iid: str) -> None:
+    _kill_a_creator(iid, shm_dir)
+    start, opened, out = CTX.Barrier(4), CTX.Barrier(4), CTX.Queue()
+    procs = [
+        CTX.Process(target=_race_worker, args=(iid, str(shm_dir), rank, start, opened, out))
+        for rank in range(4)
+    ]
+    for proc in procs:
+        proc.start()
+    results = sorted(out.get(timeout=WAIT_S) for _ in procs)
+    join_all(procs)
+    assert sum(creator for _, creator, *_ in results) == 1
+    assert {(seen, size) for *_, seen, size in results} == {(8 * 4 * PAGE_SIZE,) * 2}
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_a_new_region_sweeps_dead_regions_of_other_ids(shm_dir: Path, iid: str) -> None:
+    """A fresh id at each start: the dead regions of earlier starts do not pile up."""
+    _kill_a_creator(f"{iid}-earlier", shm_dir)
+    with SharedRegion(f"{iid}-next", 1, 8, directory=shm_dir) as region:
+        assert sorted(shm_dir.iterdir()) == [region.path, owner_path(region.path)]
+    assert list(shm_dir.iterdir()) == []
+
+
+def _cache_owner(config: dict[str, Any], ready: Event, never: Event) -> None:
+    """Open a TieredKVCache (the async face) and hold it until killed."""
+    import anyio
+
+    from kvtier_async.api import TieredKVCache
+
+    async def main() -> None:
+        async with TieredKVCache(config):
+            ready.set()
+            await anyio.to_thread.run_sync(never.wait)
+
+    anyio.run(main)
+
+
+def test_the_async_face_restarts_after_sigkill(shm_dir: Path, iid: str) -> None:
+    import anyio
+
+    from kvtier_async.api import TieredKVCache
+
+    config = {"block_bytes": 4096, "num_slots": 2, "instance_id": iid, "region_dir": str(shm_dir)}
+    ready, never = CTX.Event(), CTX.Event()
+    proc = CTX.Process(target=_cache_owner, args=(config, ready, never))
+    proc.start()
+    try:
+        assert ready.wait(WAIT_S)
+    finally:
+        proc.kill()
+        proc.join(WAIT_S)
+    dead_inode = region_path(shm_dir, iid).stat().st_ino
+
+    async def restart() -> int:
+        async with TieredKVCache(config):
+            return region_path(shm_dir, iid).stat().st_ino
+
+    assert anyio.run(restart) != dead_inode
+    assert list(shm_dir.iterdir()) == []
+
+
+def _mapper(iid: str, directory: str, joined: Event, release: Event) -> None:
+    with SharedRegion(iid, 2, 8, directory=directory) as region:
+        assert not region.is_creator
+        joined.set()
+        release.wait(WAIT_S)
+
+
+def test_a_live_mapper_blocks_the_reclaim(shm_dir: Path, iid: str) -> None:
+    ready, never = CTX.Event(), CTX.Event()
+    creator = CTX.Process(target=_doomed_creator, args=(iid, str(shm_dir), ready, never))
+    creator.start()
+    joined, release = CTX.Event(), CTX.Event()
+    mapper = CTX.Process(target=_mapper, args=(iid, str(shm_dir), joined, release))
+    try:
+        assert ready.wait(WAIT_S)
+        mapper.start()
+        assert joined.wait(WAIT_S)
+        creator.kill()
+        creator.join(WAIT_S)
+        path = region_path(shm_dir, iid)
+        inode = path.stat().st_ino
+        # the creator is dead, but the mapper still uses the region: hands off
+        with pytest.raises(StaleRegionError, match="another live process still maps it"):
+            SharedRegion(iid, 2, 8, directory=shm_dir, wait_timeout_s=WAIT_S)
+        assert find_stale_regions(shm_dir) == [path]
+        assert remove_stale_regions(shm_dir) == []
+        assert path.stat().st_ino == inode and owner_path(path).exists()
+        release.set()
+        join_all([mapper])
+        # the mapper is gone: now the region is reclaimed
+        with SharedRegion(iid, 2, 8, directory=shm_dir, wait_timeout_s=WAIT_S) as region:
+            assert region.is_creator and region.path.stat().st_ino != inode
+    finally:
+        release.set()
+        for proc in (creator, mapper):
+            if proc.is_alive():
+                proc.kill()
+            if proc.pid is not None:
+                proc.join()
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_remove_stale_regions_leaves_a_mapped_region(shm_dir: Path, iid: str) -> None:
+    with SharedRegion(iid, 1, 8, directory=shm_dir) as r:
+        # the creator record names a process that is gone (same pid, other start time)
+        record = json.loads(owner_path(r.path).read_text())
+        record["start_ticks"] += 1
+        owner_path(r.path).write_text(json.dumps(record))
+        assert find_stale_regions(shm_dir) == [r.path]
+        assert remove_stale_regions(shm_dir) == []  # but this handle maps it
+        assert r.path.exists()
+
+
+# -- privacy -----------------------------------------------------------------------------
+
+
+def test_files_are_private_whatever_the_umask(shm_dir: Path, iid: str) -> None:
+    old = os.umask(0)
+    try:
+        with SharedRegion(iid, 1, 8, directory=shm_dir) as r:
+            for path in (r.path, owner_path(r.path)):
+                assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    finally:
+        os.umask(old)
+
+
+def test_a_symlink_at_the_region_path_is_refused(shm_dir: Path, iid: str) -> None:
+    victim = shm_dir / "victim"
+    victim.write_bytes(b"precious")
+    path = region_path(shm_dir, iid)
+    path.symlink_to(victim)
+    with pytest.raises(RegionError, match="symbolic link"):
+        SharedRegion(iid, 1, 8, directory=shm_dir, wait_timeout_s=1.0)
+    assert victim.read_bytes() == b"precious" and path.is_symlink()
+
+
+@pytest.mark.parametrize("problem", ["mode", "owner", "directory"])
+def test_joining_refuses_a_file_that_is_not_private(shm_dir: Path, iid: str, problem: str) -> None:
+    path = region_path(shm_dir, iid)
+    if problem == "directory":
+        path.mkdir()
+        expected = "not a regular file"
+    else:
+        path.write_bytes(bytes(PAGE_SIZE))
+        path.chmod(0o600)
+        if problem == "mode":
+            path.chmod(0o644)
+            expected = "mode is 0644"
+        else:
+            if os.geteuid() != 0:
+                pytest.skip("needs root to give a file away")
+            os.chown(path, 65534, 65534)
+            expected = "owned by uid 65534"
+    with pytest.raises(RegionError, match=expected):
+        SharedRegion(iid, 1, 8, directory=shm_dir, wait_timeout_s=1.0)
+    assert path.exists()  # not ours to remove
+
+
+def test_a_left_over_owner_record_symlink_is_replaced_not_followed(shm_dir: Path, iid: str) -> None:
+    victim = shm_dir / "victim"
+    victim.write_bytes(b"precious")
+    record = owner_path(region_path(shm_dir, iid))
+    record.symlink_to(victim)
+    with SharedRegion(iid, 1, 8, directory=shm_dir) as r:
+        assert not record.is_symlink()
+        assert json.loads(record.read_text())["inode"] == r.path.stat().st_ino
+        assert stat.S_IMODE(record.stat().st_mode) == 0o600
+    assert victim.read_bytes() == b"precious"
+
+
+def test_an_owner_record_of_another_user_is_ignored(shm_dir: Path, iid: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a file away")
+    with SharedRegion(iid, 1, 8, directory=shm_dir) as r:
+        record = json.loads(owner_path(r.path).read_text())
+        record["start_ticks"] += 1  # "dead": stale if it were believed
+        owner_path(r.path).write_text(json.dumps(record))
+        assert find_stale_regions(shm_dir) == [r.path]
+        os.chown(owner_path(r.path), 65534, 65534)
+        assert find_stale_regions(shm_dir) == []  # no record of ours: not judged dead
 
 
 def test_page_size_matches_mmap() -> None:

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -367,10 +368,15 @@ async def _stored_block(tier: FsTier, slots: Slots) -> tuple[bytes, memoryview, 
 
 
 async def _assert_fails_and_is_gone(tier: FsTier, key: bytes, view: memoryview, path: Path) -> None:
+    tier.take_removed()
     assert await tier.load([key], [view]) == [False]
-    assert not path.exists()
+    assert not path.exists() and not path.is_symlink()
     assert await tier.lookup([key]) == [False]
     assert tier.statistics().load_failures == 1
+    # removed, counted and reported, once
+    assert tier.statistics().removed_damaged == 1
+    assert tier.take_removed() == [key]
+    assert tier.take_removed() == []
 
 
 @pytest.mark.anyio
@@ -427,6 +433,8 @@ def _craft(kind: str, key: bytes, payload: bytes) -> bytes:
         data[-1] ^= 0x80
     if kind == "truncated":
         del data[HEADER_BYTES + 100 :]
+    if kind == "too long":  # a valid block with bytes after it
+        data += b"trailing"
     return bytes(data)
 
 
@@ -437,6 +445,7 @@ VERDICTS = {
     "another key": "the file belongs to another key",
     "payload bit": "payload checksum mismatch",
     "truncated": f"short file: read {HEADER_BYTES + 100} of {HEADER_BYTES + 2 * PAGE} bytes",
+    "too long": f"file is {HEADER_BYTES + 2 * PAGE + 8} bytes, expected {HEADER_BYTES + 2 * PAGE}",
 }
 
 
@@ -558,6 +567,160 @@ async def test_wrong_sized_file_is_replaced_by_a_store(disk_dir: Path, slots: Sl
         assert await tier.store([key], [view]) == [True]
         assert path.stat().st_size == HEADER_BYTES + PAGE
         assert await tier.load([key], [view]) == [True]
+        assert tier.take_removed() == [key]
+        assert tier.statistics().removed_damaged == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("target", ["a good block", "nothing"])
+async def test_a_symlink_in_place_of_a_block_is_unlinked_never_followed(
+    disk_dir: Path, slots: Slots, target: str
+) -> None:
+    async with opened(new_tier(disk_dir)) as tier:
+        key, view, path = await _stored_block(tier, slots)
+        elsewhere = disk_dir / "elsewhere.bin"
+        if target == "a good block":
+            path.rename(elsewhere)  # the right bytes for this key, behind a link
+        good = elsewhere.read_bytes() if elsewhere.exists() else None
+        path.unlink(missing_ok=True)
+        path.symlink_to(elsewhere)
+        assert await tier.lookup([key]) == [False]  # a link is no block
+        await _assert_fails_and_is_gone(tier, key, view, path)
+        assert (elsewhere.read_bytes() if elsewhere.exists() else None) == good
+
+
+@pytest.mark.anyio
+async def test_a_store_replaces_a_symlink_at_the_block_name(disk_dir: Path, slots: Slots) -> None:
+    async with opened(new_tier(disk_dir)) as tier:
+        key, view, path = await _stored_block(tier, slots)
+        stored = bytes(view)
+        elsewhere = disk_dir / "elsewhere.bin"
+        path.rename(elsewhere)  # a complete block file of the right size, behind a link
+        path.symlink_to(elsewhere)
+        assert await tier.store([key], [view]) == [True]
+        assert not path.is_symlink() and path.is_file()
+        assert tier.take_removed() == [key]
+        assert tier.statistics().removed_damaged == 1
+        wipe([view])
+        assert await tier.load([key], [view]) == [True]
+        assert bytes(view) == stored
+
+
+@pytest.mark.anyio
+async def test_removed_keys_beyond_the_queue_are_dropped_and_counted(
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fs, "REMOVED_QUEUE", 2)
+    keys, views = keys_for(3), slots.make(3, PAGE)
+    async with opened(new_tier(disk_dir)) as tier:
+        assert await tier.store(keys, views) == [True] * 3
+        for key in keys:
+            os.truncate(block_path(tier, key), 10)
+        assert await tier.load(keys, views) == [False] * 3
+        assert tier.take_removed() == keys[1:]
+        stats = tier.statistics()
+        assert (stats.removed_damaged, stats.removed_unreported) == (3, 1)
+
+
+def test_a_tier_reports_no_removals_by_default() -> None:
+    tier = make_tier({"type": "memory"}, TierContext(block_bytes=PAGE), "secondary_tiers[0]")
+    assert tier.take_removed() == []
+
+
+# -- directories removed while running --------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("removed", ["root", "namespace", "rank"])
+async def test_stores_remake_the_root_and_its_directories_removed_under_them(
+    disk_dir: Path, slots: Slots, removed: str
+) -> None:
+    root = disk_dir / "root"
+    keys, views = keys_for(4), slots.make(4, PAGE)
+    stored = snapshot(views)
+    async with opened(new_tier(root)) as tier:
+        assert await tier.store(keys[:2], views[:2]) == [True, True]
+        rank_dir = block_path(tier, keys[0]).parents[2]
+        doomed = {"root": root, "namespace": rank_dir.parent, "rank": rank_dir}[removed]
+        shutil.rmtree(doomed)
+        # a known fan-out directory (keys[0]'s) and new ones, on the next store
+        assert await tier.store(keys, views) == [True] * 4
+        assert await tier.lookup(keys) == [True] * 4
+        wipe(views)
+        assert await tier.load(keys, views) == [True] * 4
+        assert snapshot(views) == stored
+        assert tier.statistics().store_failures == 0
+        config = json.loads((rank_dir.parent / "config.json").read_text())
+        assert config == json.loads(json.dumps(tier.ctx.namespace_fields()))
+    assert_private(root)
+
+
+# -- privacy ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def assert_private(root: Path, file_mode: int = 0o600, dir_mode: int = 0o700) -> None:
+    """Everything under ``root`` (and ``root``) has exactly these modes."""
+    seen = {"dir": 0, "file": 0}
+    for path in [root, *root.rglob("*")]:
+        st = path.lstat()
+        kind = "dir" if stat.S_ISDIR(st.st_mode) else "file"
+        want = dir_mode if kind == "dir" else file_mode
+        assert stat.S_IMODE(st.st_mode) == want, f"{path}: {stat.S_IMODE(st.st_mode):04o}"
+        seen[kind] += 1
+    assert seen["dir"] >= 6 and seen["file"] >= 2  # root/a/ns/rank/fan-outs, config + blocks
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("publish", ["rename", "linkat"])
+async def test_everything_created_is_private_whatever_the_umask(
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, publish: str
+) -> None:
+    use_publish(monkeypatch, publish)
+    root = disk_dir / "a" / "root"  # the tier makes both
+    keys, views = keys_for(3), slots.make(3, PAGE)
+    with umask(0):
+        async with opened(new_tier(root)) as tier:
+            assert await tier.store(keys, views) == [True] * 3
+    assert_private(disk_dir / "a")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("mode", "file_mode", "dir_mode"),
+    [("0640", 0o640, 0o750), ("group", 0o660, 0o770), (0o644, 0o644, 0o755)],
+)
+async def test_the_mode_option_shares_a_root_on_purpose(
+    disk_dir: Path, slots: Slots, mode: str | int, file_mode: int, dir_mode: int
+) -> None:
+    root = disk_dir / "a" / "root"
+    keys, views = keys_for(3), slots.make(3, PAGE)
+    with umask(0o077):  # would narrow them: the tier sets them anyway
+        async with opened(new_tier(root, mode=mode)) as tier:
+            assert await tier.store(keys, views) == [True] * 3
+            wipe(views)
+            assert await tier.load(keys, views) == [True] * 3
+    assert_private(disk_dir / "a", file_mode, dir_mode)
+
+
+@pytest.mark.anyio
+async def test_open_narrows_an_existing_namespace_directory(disk_dir: Path) -> None:
+    disk_dir.chmod(0o755)  # the operator's root
+    tier = new_tier(disk_dir)
+    ns_dir = Path(tier.namespace_dir)
+    ns_dir.mkdir(mode=0o755)
+    ns_dir.chmod(0o755)  # as an older version left it
+    async with opened(tier):
+        assert stat.S_IMODE(ns_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(disk_dir.stat().st_mode) == 0o755  # not ours to change
 
 
 # -- failed and cancelled stores -------------------------------------------------------------
@@ -722,7 +885,8 @@ def _crash_with_a_temp_file(directory: Path) -> None:
         [sys.executable, "-c", code, str(directory)], capture_output=True, env=env, check=False
     )
     assert done.returncode == 1, done.stderr
-    assert Path(done.stdout.decode().strip()).exists()
+    name = done.stdout.decode().strip()
+    assert name and Path(name).is_file(), done.stderr
 
 
 @pytest.mark.anyio
@@ -964,6 +1128,8 @@ async def test_max_bytes_evicts_the_least_recently_used(disk_dir: Path, slots: S
         assert await tier.store(keys[4:], views[4:]) == [True]
         assert await tier.lookup(keys) == [True, False, False, True, True]
         assert "evicted=2" in tier.statistics().detail
+        assert tier.take_removed() == [keys[1], keys[2]]
+        assert tier.statistics().removed_evicted == 2
 
 
 @pytest.mark.anyio
@@ -978,6 +1144,7 @@ async def test_max_bytes_is_rebuilt_from_mtimes_at_open(disk_dir: Path, slots: S
     async with opened(new_tier(disk_dir, max_bytes=2 * file_bytes)) as tier:
         assert await tier.lookup(keys) == [True, False, True, False]
         assert "evicted=2" in tier.statistics().detail
+        assert tier.take_removed() == [keys[1], keys[3]]
 
 
 @pytest.mark.anyio
@@ -1020,6 +1187,15 @@ def test_config_builds_the_tier() -> None:
     default = make_tier(_config(), ctx, "secondary_tiers[0]")
     assert isinstance(default, FsTier)
     assert (default.name, default.max_bytes, default.fsync) == ("fs[0]", None, False)
+    assert default.mode == 0o600
+    for value, mode in [("0640", 0o640), ("660", 0o660), ("0o644", 0o644), (0o600, 0o600),
+                        ("private", 0o600), ("group", 0o660)]:  # fmt: skip
+        assert make_tier(_config(mode=value), ctx, "t").mode == mode
+
+
+def test_a_bad_mode_argument_names_it() -> None:
+    with pytest.raises(ValueError, match=r"^mode must be a file mode"):
+        new_tier(Path("/var/tmp/kvtier-never-created"), mode=0o777)
 
 
 @pytest.mark.parametrize(
@@ -1037,6 +1213,13 @@ def test_config_builds_the_tier() -> None:
         (_config(max_bytes=100), "max_bytes"),
         (_config(max_bytes="1G"), "max_bytes"),
         (_config(fsync="yes"), "fsync"),
+        (_config(mode="0700"), "mode"),  # no x bits
+        (_config(mode="0400"), "mode"),  # the owner must write
+        (_config(mode="0o4600"), "mode"),  # no setuid
+        (_config(mode="rw-------"), "mode"),
+        (_config(mode="shared"), "mode"),
+        (_config(mode=True), "mode"),
+        (_config(mode=1.5), "mode"),
     ],
 )
 def test_config_errors_name_the_field(config: dict[str, Any], field: str) -> None:

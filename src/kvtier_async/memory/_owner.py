@@ -9,6 +9,10 @@ file's inode, so a record is never mistaken for the owner of a later region that
 reuses the same name, and the region's layout, so that a worker started with a
 different configuration is refused with a clear message.
 
+The record is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600 (a symbolic
+link planted at its name is never followed), and read only if it is a regular file owned by
+this user, opened with ``O_NOFOLLOW``: anything else is treated as no record.
+
 Liveness is judged conservatively: a process is dead only when we can prove it
 (no ``/proc`` entry, a zombie, or a different start time under the same pid). A
 record written from another pid namespace is always considered alive, since its
@@ -20,13 +24,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OwnerRecord", "is_alive", "read_owner", "write_owner"]
+__all__ = ["OwnerRecord", "is_alive", "read_owner", "read_owner_fd", "write_owner"]
 
 _VERSION = 1
+_MAX_BYTES = 4096  # a record is about 200 bytes
 _PROC = Path("/proc")
 
 
@@ -61,24 +67,51 @@ class OwnerRecord:
 
 
 def write_owner(path: Path, record: OwnerRecord) -> None:
-    """Write ``record`` to ``path`` atomically (temporary file + rename), mode 0600."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    """Create ``path`` holding ``record``, exclusively, mode 0600.
+
+    Only the creator of a region calls this, right after it created the region file, so a
+    record already at ``path`` belongs to no live region (a left-over whose region file was
+    removed without it): it is removed, never followed, and the record created again.
+    """
     data = json.dumps({"version": _VERSION, **asdict(record)}).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        with open(fd, "wb", closefd=True) as f:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        os.unlink(path)
+        fd = os.open(path, flags, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        with open(fd, "wb", closefd=False) as f:
             f.write(data)
-        os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(path)
         raise
+    finally:
+        os.close(fd)
 
 
 def read_owner(path: Path) -> OwnerRecord | None:
-    """Read an owner record; None if it is missing, unreadable or malformed."""
+    """Read an owner record; None if it is missing, unreadable, malformed, a symbolic link,
+    not a regular file or not owned by this user."""
     try:
-        raw: Any = json.loads(path.read_bytes())
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return read_owner_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def read_owner_fd(fd: int) -> OwnerRecord | None:
+    """`read_owner` of an open record file."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        raw: Any = json.loads(os.pread(fd, _MAX_BYTES, 0))
     except (OSError, ValueError):
         return None
     if not isinstance(raw, dict) or raw.get("version") != _VERSION:

@@ -6,15 +6,34 @@ Every worker (TP rank, usually a separate process) of an engine instance maps th
 same file, ``<directory>/kvtier_<instance_id>.mmap`` (``/dev/shm`` by default), so
 a secondary tier in any process can read any slot without a copy.
 
-*Creation race.* Each worker tries ``open(O_CREAT | O_EXCL)``. The one that wins
-is the creator: it checks free space, writes an owner record beside the file
-(``.owner``, see :mod:`._owner`), then ``ftruncate``\\ s the file to its final
-size, which is what the others wait for. The others open the existing file and
-poll ``fstat`` until the size is right (a constructor at process start-up, not
-the event loop, so a short poll is fine). They fail fast when the creator
-unlinked the file (``st_nlink == 0``: it failed), when the size or layout differs
-from theirs (another configuration), or when the creator is dead (a stale file).
-If the creator fails after winning, it removes the file so waiters fail fast.
+*Creation race.* Each worker tries ``open(O_CREAT | O_EXCL | O_NOFOLLOW)``, mode
+0600. The one that wins is the creator: it checks free space, writes an owner record
+beside the file (``.owner``, see :mod:`._owner`), then ``ftruncate``\\ s the file to
+its final size, which is what the others wait for. The others open the existing file
+(``O_NOFOLLOW``: a symbolic link there is refused) and refuse it unless it is a regular
+file owned by this user that nobody else may read or write (mode 0600 or narrower), then
+poll ``fstat`` until the size is right (a constructor at process start-up, not the event
+loop, so a short poll is fine). They fail fast when the creator unlinked the file
+(``st_nlink == 0``: it failed) or when the size or layout differs from theirs (another
+configuration). If the creator fails after winning, it removes the file so waiters fail
+fast.
+
+*Mappers hold a lock.* Every handle holds ``flock(LOCK_SH)`` on the region file for as
+long as it maps it (the descriptor stays open until the mapping is gone; a forked child
+shares it). So ``flock(LOCK_EX | LOCK_NB)`` succeeds only when no live process maps the
+file: the kernel drops a process's locks when it dies, ``kill -9`` included.
+
+*Reclaim.* A handle that finds the region of a creator that is provably dead (its owner
+record names this file, and its process is gone: see :func:`._owner.is_alive`) removes it
+and races to create it anew, but only when no live process maps it: reclaimers serialise
+on ``flock(LOCK_EX)`` of the owner record, re-check everything under it, then take
+``LOCK_EX | LOCK_NB`` on the region. If that fails, a live process still maps the region
+and the handle raises :class:`StaleRegionError` instead. So a restart after a crash
+(``kill -9``) with the same ``instance_id`` just works, in every face that builds a
+``SharedRegion``. A joiner takes its shared lock only after judging the owner alive and
+then checks that the file is still linked at its path, so it never maps a file that was
+reclaimed under it. A creator also sweeps its directory once (:func:`remove_stale_regions`),
+so the regions of dead processes with other ids (a fresh id each start) do not pile up.
 
 *Layout.* A slot is padded to a page-aligned row of ``row_bytes`` and rows are
 interleaved by worker: slot ``b`` of worker ``w`` is row ``b * num_workers + w``::
@@ -36,9 +55,10 @@ must drop them before :meth:`SharedRegion.close`, which otherwise raises
 are gone).
 
 *Clean-up.* The creator unlinks the file on close; peers keep their mappings
-until they close. If the creator dies without closing, the file outlives it:
-:func:`find_stale_regions` reports such files and :func:`remove_stale_regions`
-deletes them. A region whose creator is alive is never reported.
+until they close. If the creator dies without closing, the file outlives it until it is
+reclaimed, or: :func:`find_stale_regions` reports such files and
+:func:`remove_stale_regions` deletes those that no live process maps. A region whose
+creator is alive is never reported.
 """
 
 from __future__ import annotations
@@ -46,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import gc
 import math
 import mmap
@@ -54,6 +75,7 @@ import os
 import re
 import stat
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -63,7 +85,13 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier_async._log import get_logger
-from kvtier_async.memory._owner import OwnerRecord, is_alive, read_owner, write_owner
+from kvtier_async.memory._owner import (
+    OwnerRecord,
+    is_alive,
+    read_owner,
+    read_owner_fd,
+    write_owner,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -90,6 +118,7 @@ _ID_RE: Final = re.compile(_ID_PATTERN)
 _FILE_RE: Final = re.compile(rf"kvtier_{_ID_PATTERN}\.mmap")
 _OWNER_SUFFIX: Final = ".owner"
 _POLL_MAX_S: Final = 0.05
+_NOFOLLOW: Final = os.O_NOFOLLOW | os.O_CLOEXEC
 _sleep: Callable[[float], None] = time.sleep  # the size poll's wait; tests replace it
 
 
@@ -102,7 +131,8 @@ class RegionLayoutError(RegionError):
 
 
 class StaleRegionError(RegionError):
-    """An existing region file belongs to a creator that is no longer running."""
+    """An existing region file belongs to a creator that is no longer running, and another
+    live process still maps it, so it cannot be reclaimed."""
 
 
 class RegionInUseError(RegionError, BufferError):
@@ -130,8 +160,10 @@ class SharedRegion:
         ValueError: An argument is invalid (the message names it).
         TimeoutError: The creator did not size the file within ``wait_timeout_s``.
         RegionLayoutError: The file was sized for a different configuration.
-        StaleRegionError: The file's creator is dead; see :func:`remove_stale_regions`.
-        RegionError: The creator removed the file before sizing it, or prefaulting failed.
+        StaleRegionError: The file's creator is dead but a live process still maps it.
+        RegionError: The creator removed the file before sizing it, prefaulting failed, or
+            the file is not this user's private regular file (a symbolic link, another
+            owner, a mode wider than 0600).
         OSError: The directory lacks space or permissions.
     """
 
@@ -158,20 +190,19 @@ class SharedRegion:
         self._closed = False
         self._cuda_registered = False
         self._pid = os.getpid()  # a forked child inherits the handle, not the ownership
-        fd, self._creator = _open_or_create(self._path, deadline)
+        fd, self._creator = self._acquire(deadline)
         try:
-            self._inode = os.fstat(fd).st_ino
-            if self._creator:
-                self._init_as_creator(fd)
-            else:
-                self._join(fd, deadline)
             self._mm: mmap.mmap | None = self._map(fd)
         except BaseException:
             if self._creator:
                 self._unlink()
+            os.close(fd)
             raise
-        finally:
-            os.close(fd)  # mmap keeps its own duplicate
+        # The descriptor (and its shared lock) lives as long as the mapping: closed by
+        # close(), or when the mapping is collected after its last view.
+        self._release_fd = weakref.finalize(self._mm, os.close, fd)
+        if self._creator:
+            _sweep(self._path.parent)
         self._address = _buffer_address(self._mm)
         log.info(
             "shared region ready",
@@ -343,6 +374,7 @@ class SharedRegion:
                 "drop them and call close() again"
             ) from exc
         self._mm = None
+        self._release_fd()
         log.debug("shared region closed", path=str(self._path))
 
     def __enter__(self) -> SharedRegion:
@@ -379,8 +411,28 @@ class SharedRegion:
     def _owner_path(self) -> Path:
         return _owner_path(self._path)
 
+    def _acquire(self, deadline: float) -> tuple[int, bool]:
+        """The region file open and locked shared, sized and checked; True if created."""
+        while True:
+            fd, created = _open_or_create(self._path, deadline)
+            try:
+                self._inode = os.fstat(fd).st_ino
+                if created:
+                    self._init_as_creator(fd)
+                    return fd, True
+                if self._join(fd, deadline):
+                    return fd, False
+            except BaseException:
+                if created:
+                    self._unlink()
+                os.close(fd)
+                raise
+            os.close(fd)  # reclaimed, or gone under us: race again
+            _retry_pause(self._path, deadline)
+
     def _init_as_creator(self, fd: int) -> None:
         _check_free_space(self._path.parent, self._size)
+        os.fchmod(fd, 0o600)  # whatever the umask
         record = OwnerRecord.for_current_process(
             inode=self._inode,
             num_slots=self._num_slots,
@@ -390,24 +442,43 @@ class SharedRegion:
         write_owner(self._owner_path(), record)  # before sizing: joiners see it
         os.ftruncate(fd, self._size)
 
-    def _join(self, fd: int, deadline: float) -> None:
-        _wait_for_size(fd, self._path, self._size, deadline)
-        owner = read_owner(self._owner_path())
-        if owner is None or owner.inode != self._inode:
+    def _join(self, fd: int, deadline: float) -> bool:
+        """Join the region open at ``fd``: wait until it is sized, check its creator and
+        layout, take the shared lock. False when the caller must race again: the region
+        was a dead creator's and is removed now, or it went away under us."""
+        delay = 0.001
+        while True:
+            owner = self._owner()
+            if owner is not None and not is_alive(owner):
+                _reclaim(self._path, fd, self._inode, owner, deadline)
+                return False
+            if _sized(fd, self._path, self._size):
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"timed out waiting for the creator to size {self._path} to "
+                    f"{self._size} bytes (it is 0 bytes)"
+                )
+            _sleep(min(delay, remaining))
+            delay = min(delay * 2, _POLL_MAX_S)
+        owner = owner or self._owner()  # written before the file is sized
+        if owner is None:
             log.warning("shared region has no owner record", path=str(self._path))
-            return
-        if not is_alive(owner):
-            raise StaleRegionError(
-                f"{self._path} was created by process {owner.pid}, which is no longer "
-                "running; remove it with kvtier_async.memory.remove_stale_regions()"
-            )
-        theirs = (owner.num_slots, owner.num_workers, owner.row_bytes)
-        ours = (self._num_slots, self._num_workers, self._row_bytes)
-        if theirs != ours:
-            raise RegionLayoutError(
-                f"{self._path} has layout (num_slots, num_workers, row_bytes)={theirs}, "
-                f"this worker expects {ours}"
-            )
+        else:
+            theirs = (owner.num_slots, owner.num_workers, owner.row_bytes)
+            ours = (self._num_slots, self._num_workers, self._row_bytes)
+            if theirs != ours:
+                raise RegionLayoutError(
+                    f"{self._path} has layout (num_slots, num_workers, row_bytes)={theirs}, "
+                    f"this worker expects {ours}"
+                )
+        return _lock(fd, fcntl.LOCK_SH) and _still_linked(fd, self._path)
+
+    def _owner(self) -> OwnerRecord | None:
+        """The owner record of this region file, None if there is none (or another's)."""
+        owner = read_owner(self._owner_path())
+        return owner if owner is not None and owner.inode == self._inode else None
 
     def _map(self, fd: int) -> mmap.mmap:
         mm = mmap.mmap(fd, self._size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -460,7 +531,9 @@ def find_stale_regions(
     A file without a (matching) owner record is reported once it is older than
     ``missing_owner_grace_s``: its creator died between creating it and writing the
     record, which takes microseconds. A region whose creator is alive is never
-    reported; neither is one whose creator is in another pid namespace.
+    reported; neither is one whose creator is in another pid namespace, nor a file of
+    another user. A reported region may still be mapped by a live peer of its creator
+    (:func:`remove_stale_regions` leaves those).
     """
     now = time.time()
     return [
@@ -473,20 +546,52 @@ def find_stale_regions(
 def remove_stale_regions(
     directory: str | os.PathLike[str] = "/dev/shm", *, missing_owner_grace_s: float = 60.0
 ) -> list[Path]:
-    """Delete what :func:`find_stale_regions` reports (with owner records); return it.
+    """Delete what :func:`find_stale_regions` reports (with owner records), unless a live
+    process still maps it (a peer of the dead creator); return what was deleted.
 
-    Peers that still map a removed file keep their mapping. Each file is re-checked
-    just before removal, so a region re-created under the same name in between is
-    left alone.
+    Each file is re-checked just before removal, under the same locks as a reclaim, so a
+    region re-created under the same name in between is left alone.
     """
     removed: list[Path] = []
     now = time.time()
     for path in find_stale_regions(directory, missing_owner_grace_s=missing_owner_grace_s):
-        inode = _stale_inode(path, now, missing_owner_grace_s)
-        if inode is not None and _unlink_region(path, inode):
+        if _remove_stale(path, now, missing_owner_grace_s):
             log.info("removed stale shared region", path=str(path))
             removed.append(path)
     return removed
+
+
+def _sweep(directory: Path) -> None:
+    """Remove the stale regions in ``directory``; a failure is logged, never raised."""
+    try:
+        remove_stale_regions(directory)
+    except OSError as exc:
+        log.warning("could not remove stale shared regions", directory=str(directory),
+                    error=str(exc))  # fmt: skip
+
+
+def _remove_stale(path: Path, now: float, grace_s: float) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        inode = os.fstat(fd).st_ino
+        if _stale_inode(path, now, grace_s) != inode:
+            return False
+        owner = read_owner(_owner_path(path))
+        if owner is None or owner.inode != inode:  # no record: nobody reclaims it
+            if not _lock(fd, fcntl.LOCK_EX):
+                log.info("stale shared region is still mapped; left alone", path=str(path))
+                return False
+            return _unlink_region(path, inode)
+        try:
+            return _reclaim(path, fd, inode, owner, None)
+        except StaleRegionError:
+            log.info("stale shared region is still mapped; left alone", path=str(path))
+            return False
+    finally:
+        os.close(fd)
 
 
 def _stale_inode(path: Path, now: float, grace_s: float) -> int | None:
@@ -495,8 +600,8 @@ def _stale_inode(path: Path, now: float, grace_s: float) -> int | None:
         st = path.lstat()
     except FileNotFoundError:
         return None
-    if not stat.S_ISREG(st.st_mode):
-        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        return None  # another user's file is not ours to judge
     owner = read_owner(_owner_path(path))
     if owner is None or owner.inode != st.st_ino:
         return st.st_ino if now - st.st_mtime >= grace_s else None
@@ -527,44 +632,143 @@ def _owner_path(path: Path) -> Path:
 
 
 def _open_or_create(path: Path, deadline: float) -> tuple[int, bool]:
-    """Open ``path`` read-write; True if this call created it (won the race)."""
+    """Open ``path`` read-write; True if this call created it (won the race), and then
+    holds its shared lock. An existing file must be this user's private regular file."""
     while True:
         try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
         except FileExistsError:
             pass
+        else:
+            _lock(fd, fcntl.LOCK_SH)  # a new inode: nobody else has a lock on it
+            return fd, True
         try:
-            return os.open(path, os.O_RDWR), False
+            fd = os.open(path, os.O_RDWR | _NOFOLLOW)
         except FileNotFoundError:
             # The creator gave up and unlinked it between our two opens: race again.
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"could not open or create {path}") from None
+            continue
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise RegionError(
+                    f"{path} is a symbolic link; refusing to follow it (region files are "
+                    "created by kvtier_async, never linked)"
+                ) from None
+            if exc.errno == errno.EISDIR:
+                raise RegionError(f"refusing to map {path}: it is not a regular file") from None
+            raise
+        try:
+            _check_private(fd, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, False
 
 
-def _wait_for_size(fd: int, path: Path, expected: int, deadline: float) -> None:
-    """Poll until the creator has sized the file to ``expected`` bytes."""
-    delay = 0.001
-    while True:
-        st = os.fstat(fd)
-        if st.st_nlink == 0:
-            raise RegionError(
-                f"{path} was removed before it was ready (its creator failed or closed)"
+def _check_private(fd: int, path: Path) -> None:
+    """Refuse a region file that is not this user's, or that others may read or write."""
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "it is not a regular file"
+    elif st.st_uid != os.geteuid():
+        problem = f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    elif st.st_mode & 0o077:
+        problem = f"its mode is {stat.S_IMODE(st.st_mode):04o}, not 0600"
+    if problem is not None:
+        raise RegionError(f"refusing to map {path}: {problem}; remove it or pick another "
+                          "instance_id")  # fmt: skip
+
+
+def _lock(fd: int, operation: int) -> bool:
+    """``flock(fd, operation | LOCK_NB)``; False if another descriptor's lock conflicts."""
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _still_linked(fd: int, path: Path) -> bool:
+    """Whether the file open at ``fd`` is still the one at ``path``."""
+    st = os.fstat(fd)
+    try:
+        return st.st_nlink > 0 and path.lstat().st_ino == st.st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _retry_pause(path: Path, deadline: float) -> None:
+    """A short pause before racing for ``path`` again; TimeoutError past ``deadline``."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError(f"could not open or create {path}: it kept changing under us")
+    _sleep(min(0.001, remaining))
+
+
+def _reclaim(path: Path, fd: int, inode: int, owner: OwnerRecord, deadline: float | None) -> bool:
+    """Remove the region file open at ``fd`` (``inode``), whose creator ``owner`` is dead,
+    unless a live process maps it (then raise StaleRegionError); True if removed. False
+    when something changed meanwhile (another reclaimer won): the caller looks again.
+    Without ``deadline``, False at once if another reclaim holds the record."""
+    owner_path = _owner_path(path)
+    try:
+        owner_fd = os.open(owner_path, os.O_RDONLY | _NOFOLLOW)
+    except OSError:
+        return False  # removed meanwhile
+    try:
+        if not _lock_until(owner_fd, path, deadline):
+            return False
+        record = read_owner_fd(owner_fd)
+        if (
+            record is None
+            or record.inode != inode
+            or is_alive(record)
+            or not _still_linked(owner_fd, owner_path)
+            or not _still_linked(fd, path)
+        ):
+            return False
+        if not _lock(fd, fcntl.LOCK_EX):
+            raise StaleRegionError(
+                f"{path} was created by process {owner.pid}, which is no longer running, but "
+                "another live process still maps it; stop that process or use another "
+                "instance_id"
             )
-        if st.st_size == expected:
-            return
-        if st.st_size != 0:
-            raise RegionLayoutError(
-                f"{path} is {st.st_size} bytes, this worker expects {expected} bytes "
-                "(num_slots * num_workers * row_bytes): another configuration created it"
-            )
+        owner_path.unlink()
+        path.unlink()
+    finally:
+        os.close(owner_fd)
+    log.warning("reclaimed the shared region of a dead process", path=str(path), pid=owner.pid)
+    return True
+
+
+def _lock_until(fd: int, path: Path, deadline: float | None) -> bool:
+    """``flock(fd, LOCK_EX)`` on ``path``'s owner record, polling until ``deadline``
+    (None: one try)."""
+    delay = 0.0005
+    while not _lock(fd, fcntl.LOCK_EX):
+        if deadline is None:
+            return False
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise TimeoutError(
-                f"timed out waiting for the creator to size {path} to {expected} bytes "
-                f"(it is {st.st_size} bytes)"
-            )
+            raise TimeoutError(f"timed out waiting for another process to reclaim {path}")
         _sleep(min(delay, remaining))
         delay = min(delay * 2, _POLL_MAX_S)
+    return True
+
+
+def _sized(fd: int, path: Path, expected: int) -> bool:
+    """Whether the creator has sized the file to ``expected`` bytes (False: not yet)."""
+    st = os.fstat(fd)
+    if st.st_nlink == 0:
+        raise RegionError(f"{path} was removed before it was ready (its creator failed or closed)")
+    if st.st_size not in (0, expected):
+        raise RegionLayoutError(
+            f"{path} is {st.st_size} bytes, this worker expects {expected} bytes "
+            "(num_slots * num_workers * row_bytes): another configuration created it"
+        )
+    return st.st_size == expected
 
 
 def _check_free_space(directory: Path, size: int) -> None:

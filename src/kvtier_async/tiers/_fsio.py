@@ -18,14 +18,17 @@ measured, with one call per two blocks before). Without a pool (none could start
 closed, or this is a forked child, which has none of its threads) a batch runs in the
 calling thread.
 
-Per block, a store: ``stat`` the final name unless the directory is new (a complete file
-there: done; a wrong-sized regular file: deleted, noted), CRC-32C the payload into the
-header Python prepared, CRC-32C the header, ``open(O_CREAT|O_EXCL[|O_DIRECT])`` the named
-temporary, ``pwritev`` header and payload, optional ``fsync``, ``close``, ``rename``. On a
-failure the temporary is unlinked and the step and ``errno`` are reported. A load: ``open``
-(``ENOENT``: a miss), ``preadv`` into [header page, slot], the same checks as
-`kvtier_async.tiers.fs.verify_block` in the same order, and on a failure the file's device
-and inode (so Python deletes only that file).
+Per block, a store: ``lstat`` the final name unless the directory is new (a complete file
+there: done; a wrong-sized regular file or a symbolic link: deleted, noted), CRC-32C the
+payload into the header Python prepared, CRC-32C the header,
+``open(O_CREAT|O_EXCL|O_NOFOLLOW[|O_DIRECT], mode)`` the named temporary (and ``fchmod`` it
+to ``mode`` when asked: the umask may have narrowed it), ``pwritev`` header and payload,
+optional ``fsync``, ``close``, ``rename``. On a failure the temporary is unlinked and the
+step and ``errno`` are reported. A load: ``open(O_NOFOLLOW)`` (``ENOENT``: a miss; a
+symbolic link fails with ``ELOOP``, never followed), ``fstat``, ``preadv`` into [header page,
+slot], the same checks as `kvtier_async.tiers.fs.verify_block` in the same order (a file
+of the wrong size or not regular fails after the short-read check), and on a failure the
+file's device and inode (so Python deletes only that file).
 
 CRC-32C uses SSE 4.2 on x86-64 (three interleaved streams joined by zero-append operators,
 Mark Adler's method: 2.5-3x one stream) or the ARMv8 CRC instructions when the CPU has them,
@@ -54,6 +57,7 @@ __all__ = [
     "LOAD_BAD_HEADER",
     "LOAD_BAD_LENGTH",
     "LOAD_BAD_PAYLOAD",
+    "LOAD_BAD_SIZE",
     "LOAD_FOREIGN",
     "LOAD_MISSING",
     "LOAD_OK",
@@ -85,6 +89,7 @@ LOAD_FOREIGN: Final = 12  # not a block file of this format
 LOAD_BAD_LENGTH: Final = 13
 LOAD_WRONG_KEY: Final = 14
 LOAD_BAD_PAYLOAD: Final = 15
+LOAD_BAD_SIZE: Final = 16  # longer than a block file, or not a regular file
 
 _SOURCE: Final = r"""
 #define _GNU_SOURCE
@@ -285,8 +290,9 @@ static int64_t move_all(int fd, int writing, unsigned char *head, size_t head_n,
 /* A batch of stores. Per block i: temps[i] (named temporary), finals[i], check[i] (stat the
    final name first), heads[i] (a header page whose bytes Python filled except the payload
    sum at sum_at and the header sum at head_n - 8), bodies[i] (body_n bytes), flags[i]
-   (extra open flags). Out: result[i] (2 written, 1 present, -errno), step[i] (which call
-   failed), noted[i] (1: a wrong-sized file at the final name was deleted). */
+   (extra open flags); file_mode (of the temporary; fchmod'ed to it if fix_mode). Out:
+   result[i] (2 written, 1 present, -errno), step[i] (which call failed), noted[i] (1: a
+   wrong-sized file or a symbolic link at the final name was deleted). */
 struct store_args {
     int64_t n;
     char **temps, **finals;
@@ -294,7 +300,7 @@ struct store_args {
     unsigned char **heads, **bodies;
     const int32_t *flags;
     int64_t head_n, body_n, sum_at;
-    int32_t do_fsync;
+    int32_t do_fsync, file_mode, fix_mode;
     int32_t *result, *step, *noted;
 };
 
@@ -303,12 +309,13 @@ static void store_one(const struct store_args *a, int64_t i) {
     a->step[i] = 0; a->noted[i] = 0;
     if (a->check[i]) {
         struct stat st;
-        if (stat(a->finals[i], &st) == 0) {
+        if (lstat(a->finals[i], &st) == 0) {
             if (S_ISREG(st.st_mode) && st.st_size == head_n + body_n) {
                 a->result[i] = 1;
                 return;
             }
-            if (S_ISREG(st.st_mode) && unlink(a->finals[i]) == 0) a->noted[i] = 1;
+            if ((S_ISREG(st.st_mode) || S_ISLNK(st.st_mode)) && unlink(a->finals[i]) == 0)
+                a->noted[i] = 1;
         }
     }
     unsigned char *head = a->heads[i];
@@ -316,11 +323,15 @@ static void store_one(const struct store_args *a, int64_t i) {
     memcpy(head + a->sum_at, &sum, 8);
     uint64_t head_sum = kvtier_crc32c(head, (size_t)head_n - 8);
     memcpy(head + head_n - 8, &head_sum, 8);
-    int fd = open(a->temps[i], O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | a->flags[i], 0644);
+    int fd = open(a->temps[i], O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW | a->flags[i],
+                  (mode_t)a->file_mode);
     if (fd < 0) { a->result[i] = -errno; a->step[i] = 1; return; }
-    int64_t wrote = move_all(fd, 1, head, (size_t)head_n, a->bodies[i], (size_t)body_n);
-    int err = wrote < 0 ? (int)wrote : 0;
-    if (err) a->step[i] = 2;
+    int err = 0;
+    if (a->fix_mode && fchmod(fd, (mode_t)a->file_mode) != 0) { err = -errno; a->step[i] = 1; }
+    if (!err) {
+        int64_t wrote = move_all(fd, 1, head, (size_t)head_n, a->bodies[i], (size_t)body_n);
+        if (wrote < 0) { err = (int)wrote; a->step[i] = 2; }
+    }
     if (!err && a->do_fsync && fsync(fd) != 0) { err = -errno; a->step[i] = 3; }
     close(fd);
     if (!err && rename(a->temps[i], a->finals[i]) != 0) { err = -errno; a->step[i] = 4; }
@@ -330,9 +341,9 @@ static void store_one(const struct store_args *a, int64_t i) {
 
 /* A batch of loads. Per block i: paths[i], heads[i] (a page-aligned scratch page, head_n
    bytes), bodies[i], flags[i], expect + 56 * i (the first 56 header bytes of this key's
-   file, payload sum zeroed). Out: result[i] (1 good, 0 missing, -errno, or 10..15: see the
-   LOAD_ constants), step[i], got[i] (bytes read), dev[i]/ino[i] (the file read, on a
-   failure). */
+   file, payload sum zeroed). Out: result[i] (1 good, 0 missing, -errno, or 10..16: see the
+   LOAD_ constants), step[i], got[i] (bytes read; for 16 the file's size), dev[i]/ino[i]
+   (the file read, on a failure). */
 struct load_args {
     int64_t n;
     char **paths;
@@ -348,7 +359,7 @@ struct load_args {
 static void load_one(const struct load_args *a, int64_t i) {
     int64_t head_n = a->head_n, body_n = a->body_n;
     a->step[i] = 0; a->got[i] = 0; a->dev[i] = 0; a->ino[i] = 0;
-    int fd = open(a->paths[i], O_RDONLY | O_CLOEXEC | a->flags[i]);
+    int fd = open(a->paths[i], O_RDONLY | O_CLOEXEC | O_NOFOLLOW | a->flags[i]);
     if (fd < 0) {
         a->result[i] = errno == ENOENT ? 0 : -errno;
         a->step[i] = 1;
@@ -356,11 +367,17 @@ static void load_one(const struct load_args *a, int64_t i) {
     }
     unsigned char *head = a->heads[i], *body = a->bodies[i];
     const unsigned char *want = a->expect + 56 * i;
+    struct stat st;
+    int have_st = fstat(fd, &st) == 0;
     int64_t r = move_all(fd, 0, head, (size_t)head_n, body, (size_t)body_n);
     int res = 1;
     uint64_t stored;
     if (r < 0) { res = (int)r; a->step[i] = 2; }
     else if (r != head_n + body_n) res = 10;
+    else if (!have_st || !S_ISREG(st.st_mode) || st.st_size != head_n + body_n) {
+        res = 16;
+        r = have_st ? (int64_t)st.st_size : r;
+    }
     else if (memcpy(&stored, head + head_n - 8, 8),
              stored != kvtier_crc32c(head, (size_t)head_n - 8)) res = 11;
     else if (memcmp(head, want, 10) || memcmp(head + 12, want + 12, 4) ||
@@ -370,10 +387,7 @@ static void load_one(const struct load_args *a, int64_t i) {
     else if (memcpy(&stored, head + a->sum_at, 8),
              stored != kvtier_crc32c(body, (size_t)body_n)) res = 15;
     a->got[i] = r < 0 ? 0 : r;
-    if (res != 1) {
-        struct stat st;
-        if (fstat(fd, &st) == 0) { a->dev[i] = st.st_dev; a->ino[i] = st.st_ino; }
-    }
+    if (res != 1 && have_st) { a->dev[i] = st.st_dev; a->ino[i] = st.st_ino; }
     close(fd);
     a->result[i] = res;
 }
@@ -512,7 +526,8 @@ class StoreArgs(ctypes.Structure):
     _fields_ = [
         ("n", _I64), ("temps", _P), ("finals", _P), ("check", _P), ("heads", _P),
         ("bodies", _P), ("flags", _P), ("head_n", _I64), ("body_n", _I64), ("sum_at", _I64),
-        ("do_fsync", _I32), ("result", _P), ("step", _P), ("noted", _P),
+        ("do_fsync", _I32), ("file_mode", _I32), ("fix_mode", _I32), ("result", _P),
+        ("step", _P), ("noted", _P),
     ]  # fmt: skip
 
 

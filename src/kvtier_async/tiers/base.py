@@ -135,6 +135,12 @@ class SecondaryTier(ABC):
         """Read each key into its block; per key, whether every byte arrived and verified.
         A key that fails must not be reported stored by later lookups (delete it)."""
 
+    def take_removed(self) -> list[bytes]:
+        """Keys this tier deleted on its own since the last call (a block that failed
+        verification, or garbage collection such as the fs tier's ``max_bytes``), oldest
+        first, so the owner can report them (KV events). Non-blocking; the default: none."""
+        return []
+
     @abstractmethod
     def statistics(self) -> TierStatistics:
         """Counters, and in ``detail`` how the tier runs (e.g. O_DIRECT or buffered)."""

@@ -25,15 +25,39 @@ with ``os.replace`` (another writer's copy of the same key holds the same bytes)
 ``/proc/self/fd``), which never replaces a file. On any error the temporary is gone
 (unlinked, or never linked) and only that key fails.
 
-*Load.* Read into the slot itself; on a short read, a bad header or a checksum mismatch the
-key fails and its file is deleted (only if it is still the file that was read), so later
-lookups answer False. A missing file is a plain miss.
+*Load.* Read into the slot itself, opened ``O_NOFOLLOW``; on a short read, a file of the
+wrong size, a bad header or a checksum mismatch the key fails and its file is deleted
+(only if it is still the file that was read), so later lookups answer False; a symbolic
+link is never followed, only unlinked. A missing file is a plain miss. Lookups ``lstat``:
+a link is no block.
 
-*Probe.* `FsTier.open` creates the directories, writes ``config.json``, then, in the rank
-directory, picks the first way to publish in `PUBLISH_ORDER` that works and checks that an
-O_DIRECT write and read work; it falls back to buffered I/O where the file system refuses
-(older tmpfs, overlayfs, some NFS). `FsTier.statistics` tells which in ``detail``. A block
-whose memory is not page-aligned is moved with buffered I/O.
+*Removals are reported.* Every block file the tier deletes on its own (it failed
+verification on a load, was a wrong-sized file or a link found by a store, or was evicted
+for ``max_bytes``) is counted in `FsTierStatistics` and its key queued for
+`FsTier.take_removed` (the owner turns them into KV events; at most `REMOVED_QUEUE` keys
+wait, older ones are dropped and counted).
+
+*Privacy.* Prompt-derived data is private by default: every file the tier creates (block
+files and their temporaries, on both I/O paths; ``config.json``; probes) is mode 0600 and
+every directory (the root if missing, the namespace, rank and fan-out directories) 0700,
+whatever the umask (which can only narrow them). The ``mode`` option widens them for a
+root shared between users on purpose (``"0640"``, ``"0660"`` or ``"group"``...):
+directories get an x bit for each class that may read or write, and both are set with
+``fchmod``/``chmod`` after creation, since the umask may have narrowed them. ``open``
+narrows an existing namespace directory of this user to the directory mode, so blocks
+written by older versions become private too.
+
+*Directories come back.* The tier remembers which directories exist, so a new fan-out
+directory costs one ``mkdir``. If an operator removes the root, the namespace or a rank
+directory while it runs, the next store's create fails with ``ENOENT``: the tier forgets
+what it knew, makes every missing level again (``config.json`` with a new namespace
+directory) and retries that block once, on both I/O paths.
+
+*Probe.* `FsTier.open` creates the directories (see *Privacy*), writes ``config.json``,
+then, in the rank directory, picks the first way to publish in `PUBLISH_ORDER` that works
+and checks that an O_DIRECT write and read work; it falls back to buffered I/O where the
+file system refuses (older tmpfs, overlayfs, some NFS). `FsTier.statistics` tells which in
+``detail``. A block whose memory is not page-aligned is moved with buffered I/O.
 
 *Leftovers.* ``open`` deletes named temporaries of dead processes in its rank directory and
 namespace directory. A temporary's name carries its writer's host token, pid and process start
@@ -59,6 +83,7 @@ Otherwise the Python path runs the same steps, the batch split into chunks of at
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -86,6 +111,7 @@ import numpy as np
 
 from kvtier_async._log import get_logger
 from kvtier_async.config import ConfigError, Section
+from kvtier_async.ledger import make_offload_key
 from kvtier_async.tiers import _fsio
 from kvtier_async.tiers._checksum import CHECKSUM_NAME, checksum
 from kvtier_async.tiers._fsio import FsIo, Pool
@@ -97,10 +123,13 @@ __all__ = [
     "HEADER_BYTES",
     "MIN_CHUNK_BYTES",
     "PUBLISH_ORDER",
+    "REMOVED_QUEUE",
     "CorruptBlockError",
     "FsTier",
+    "FsTierStatistics",
     "from_config",
     "pack_header",
+    "parse_mode",
     "verify_block",
 ]
 
@@ -143,7 +172,12 @@ _TEMP_RE: Final = re.compile(r"\..+\.([0-9a-f]{8})-(\d+)-(\d+)-(\d+)\.tmp")
 # goes first.
 PUBLISH_ORDER: tuple[str, ...] = ("rename", "linkat", "proc-linkat")
 _CONFIG_KEYS: Final = ("type", "name", "root_dir", "n_read_workers", "n_write_workers",
-                       "max_bytes", "fsync")  # fmt: skip
+                       "max_bytes", "fsync", "mode")  # fmt: skip
+PRIVATE_MODE: Final = 0o600
+# ``mode`` presets: "private" (the default), "group" (group members read and write too).
+_MODE_PRESETS: Final = {"private": PRIVATE_MODE, "group": 0o660}
+# Keys of removed blocks waiting for `FsTier.take_removed`; beyond it the oldest are dropped.
+REMOVED_QUEUE: Final = 1 << 16
 
 # Seams for fault-injection tests (like `memory.region._sleep`): tests replace them.
 _open: Callable[..., int] = os.open
@@ -153,6 +187,7 @@ _preadv: Callable[[int, Sequence[memoryview], int], int] = os.preadv
 _native_fsio: Callable[[], FsIo | None] = _fsio.native_fsio
 
 _STORE_FAILED, _STORE_PRESENT, _STORE_WRITTEN = 0, 1, 2
+_REMOVED_DAMAGED, _REMOVED_EVICTED = "damaged", "evicted"
 
 
 class CorruptBlockError(ValueError):
@@ -176,7 +211,37 @@ def from_config(section: Section, name: str, ctx: TierContext) -> FsTier:
         root_dir=root_dir,
         max_bytes=section.get_int("max_bytes", None, low=HEADER_BYTES + ctx.block_bytes),
         fsync=section.get_bool("fsync", False),
+        mode=_config_mode(section),
     )
+
+
+def _config_mode(section: Section) -> int:
+    try:
+        return parse_mode(section.data.get("mode", "private"))
+    except ValueError as exc:
+        raise ConfigError(section.name("mode"), str(exc)) from None
+
+
+def parse_mode(value: object) -> int:
+    """The file mode of ``value``: an int, an octal string (``"0640"``, ``"640"``,
+    ``"0o640"``) or a preset (``"private"``: 0600, ``"group"``: 0660). Read and write bits
+    only, the owner's both included. ValueError says what is allowed."""
+    mode: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        mode = value
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        if text in _MODE_PRESETS:
+            mode = _MODE_PRESETS[text]
+        elif re.fullmatch(r"(0o)?[0-7]{1,4}", text):
+            mode = int(text.removeprefix("0o"), 8)
+    if mode is None or mode & ~0o666 or mode & 0o600 != 0o600:
+        raise ValueError(
+            "must be a file mode with read/write bits only and the owner's read and write "
+            f"(an octal string like '0600', '0640', '0660'), or one of "
+            f"{sorted(_MODE_PRESETS)}; got {value!r}"
+        )
+    return mode
 
 
 # -- the async tier --------------------------------------------------------------------------
@@ -191,6 +256,15 @@ class _Counts:
     load_failures: int = 0
     lookups: int = 0
     lookup_hits: int = 0
+
+
+@dataclass(frozen=True)
+class FsTierStatistics(TierStatistics):
+    """`TierStatistics` plus the block files the fs tier deleted on its own."""
+
+    removed_damaged: int = 0  # failed verification, wrong size, a link (deleted)
+    removed_evicted: int = 0  # least recently used, for max_bytes
+    removed_unreported: int = 0  # keys dropped from the `take_removed` queue (overflow)
 
 
 class FsTier(SecondaryTier):
@@ -208,11 +282,17 @@ class FsTier(SecondaryTier):
         root_dir: str | os.PathLike[str],
         max_bytes: int | None = None,
         fsync: bool = False,
+        mode: int | str = PRIVATE_MODE,
     ) -> None:
         super().__init__(name, ctx, read_workers, write_workers)
         self.root_dir = os.fspath(root_dir)  # made absolute at open (getcwd may block)
         self.max_bytes = max_bytes
         self.fsync = fsync
+        try:
+            self.mode = parse_mode(mode)
+        except ValueError as exc:
+            raise ValueError(f"mode {exc}") from None
+        self._removed = _Removed()
         self._read_limiter = anyio.CapacityLimiter(read_workers)
         self._write_limiter = anyio.CapacityLimiter(write_workers)
         self._lookup_limiter = anyio.CapacityLimiter(1)
@@ -263,10 +343,13 @@ class FsTier(SecondaryTier):
         self._counts.load_failures += len(outcomes) - sum(outcomes)
         return [bool(outcome) for outcome in outcomes]
 
-    def statistics(self) -> TierStatistics:
-        counts, files = self._counts, self._files
+    def take_removed(self) -> list[bytes]:
+        return self._removed.take()
+
+    def statistics(self) -> FsTierStatistics:
+        counts, files, removed = self._counts, self._files, self._removed
         detail = "closed" if files is None else files.describe()
-        return TierStatistics(
+        return FsTierStatistics(
             name=self.name,
             kind=self.kind,
             blocks_stored=counts.blocks_stored,
@@ -278,6 +361,9 @@ class FsTier(SecondaryTier):
             lookups=counts.lookups,
             lookup_hits=counts.lookup_hits,
             detail=f"{detail} already_present={counts.blocks_present}",
+            removed_damaged=removed.counts[_REMOVED_DAMAGED],
+            removed_evicted=removed.counts[_REMOVED_EVICTED],
+            removed_unreported=removed.dropped,
         )
 
     # -- internals -----------------------------------------------------------------------
@@ -298,6 +384,8 @@ class FsTier(SecondaryTier):
                 self.max_bytes,
                 self.fsync,
                 (self.read_workers, self.write_workers),
+                _Perms.of(self.mode),
+                self._removed,
             )
         except OSError as exc:
             raise OSError(
@@ -420,6 +508,8 @@ class _BlockFiles:
         fsync: bool,
         usage: _Usage | None,
         workers: tuple[int, int],
+        perms: _Perms,
+        removed: _Removed,
     ) -> None:
         self.name = name
         self.root = root
@@ -427,9 +517,13 @@ class _BlockFiles:
         self.mode = mode
         self.fsync = fsync
         self.usage = usage
+        self.perms = perms
+        self.removed = removed
         self.file_bytes = HEADER_BYTES + ctx.block_bytes
-        self._rank_dir = os.path.join(root, ctx.namespace, f"r{ctx.rank}")
-        self._dirs: set[str] = {self._rank_dir}  # known to exist (set.add is atomic)
+        self._ns_dir = os.path.join(root, ctx.namespace)
+        self._rank_dir = os.path.join(self._ns_dir, f"r{ctx.rank}")
+        # Known to exist (set.add is atomic); forgotten when a create finds one gone.
+        self._dirs: set[str] = {root, self._ns_dir, self._rank_dir}
         self._publish = _PUBLISHERS[mode.publish]
         # The C batch path publishes by rename; the O_TMPFILE ways stay in Python.
         self.fsio = _native_fsio() if mode.publish == "rename" else None
@@ -448,19 +542,22 @@ class _BlockFiles:
         max_bytes: int | None,
         fsync: bool,
         workers: tuple[int, int],
+        perms: _Perms,
+        removed: _Removed,
     ) -> _BlockFiles:
         ns_dir = os.path.join(root, ctx.namespace)
         rank_dir = os.path.join(ns_dir, f"r{ctx.rank}")
-        os.makedirs(rank_dir, exist_ok=True)
-        _write_config(ns_dir, ctx)
-        mode = _probe(rank_dir)
+        _make_dirs(rank_dir, perms)
+        _narrow_dir(ns_dir, perms)
+        _write_config(ns_dir, ctx, perms)
+        mode = _probe(rank_dir, perms)
         blocks, temps = _scan(ns_dir, rank_dir, want_blocks=max_bytes is not None)
         _remove_dead_temps(temps)
         usage = None if max_bytes is None else _Usage(max_bytes)
         if usage is not None:
             usage.seed(blocks)
-            _unlink_all(usage.trim())
-        return cls(name, root, ctx, mode, fsync, usage, workers)
+            removed.add_paths(_unlink_all(usage.trim()), _REMOVED_EVICTED)
+        return cls(name, root, ctx, mode, fsync, usage, workers, perms, removed)
 
     def describe(self) -> str:
         io = "O_DIRECT" if self.mode.direct else "buffered"
@@ -488,7 +585,7 @@ class _BlockFiles:
 
     def _is_block_file(self, path: str) -> bool:
         try:
-            st = os.stat(path)
+            st = os.lstat(path)  # a link is no block
         except OSError:
             return False
         return stat.S_ISREG(st.st_mode) and st.st_size == self.file_bytes
@@ -540,28 +637,36 @@ class _BlockFiles:
         batch.fill_headers(heads)
         pool = self.workers.pool("write")
         if self.usage is None:
-            results = batch.store(fsio, pool, heads, self.fsync, range(len(batch.indexes)))
+            results = batch.store(
+                fsio, pool, heads, self.fsync, self.perms, range(len(batch.indexes))
+            )
         else:  # one block at a time, so that evictions never hit a block of this batch
             results = []
             for j, path in enumerate(batch.paths):
                 try:
-                    _unlink_all(self.usage.admit(path, self.file_bytes))
+                    self._evict(self.usage.admit(path, self.file_bytes))
                 except OSError as exc:  # a block file larger than max_bytes
                     results.append((-(exc.errno or errno.EIO), 0))
                     continue
-                results += batch.store(fsio, pool, heads, self.fsync, [j])
+                results += batch.store(fsio, pool, heads, self.fsync, self.perms, [j])
         retry = [j for j, (code, step) in enumerate(results) if code == -errno.ENOENT and step == 1]
         if retry:  # directories vanished under us: forget them, make them, once more
             self._forget_dirs()
-            for j in retry:
-                self._ensure_dir(batch.dirs[j])
-            again = batch.store(fsio, pool, heads, self.fsync, retry)
+            try:
+                for j in retry:
+                    self._ensure_dir(batch.dirs[j])
+            except OSError as exc:
+                log.warning("fs tier cannot make its directories again", tier=self.name,
+                            error=str(exc))  # fmt: skip
+            again = batch.store(fsio, pool, heads, self.fsync, self.perms, retry)
             for j, result in zip(retry, again, strict=True):
                 results[j] = result
         for j, (code, step) in enumerate(results):
             index, path = batch.indexes[j], batch.paths[j]
             if batch.noted[j]:
-                log.warning("fs block file had the wrong size, replaced it", path=path)
+                log.warning("fs block file had the wrong size or was a link, replaced it",
+                            path=path)  # fmt: skip
+                self.removed.add(batch.keys[j], _REMOVED_DAMAGED)
             if code == _fsio.STORE_WRITTEN:
                 outcomes[index] = _STORE_WRITTEN
             elif code == _fsio.STORE_PRESENT:
@@ -579,27 +684,30 @@ class _BlockFiles:
         self._check_block(block)
         path = self.path(key)
         made_dir = self._ensure_dir(os.path.dirname(path))
-        if not made_dir and self._present(path):  # a directory made just now holds nothing
+        if not made_dir and self._present(key, path):  # a directory made just now is empty
             self._touch(path)
             return _STORE_PRESENT
         if self.usage is not None:
-            _unlink_all(self.usage.admit(path, self.file_bytes))
+            self._evict(self.usage.admit(path, self.file_bytes))
         try:
             return self._write(path, key, block)
         except BaseException:
             self._forget(path)
             raise
 
-    def _present(self, path: str) -> bool:
-        """Whether a complete block file is at ``path``; a wrong-sized one is deleted (it
-        cannot be a write in progress: names appear only with the whole file behind them)."""
+    def _present(self, key: bytes, path: str) -> bool:
+        """Whether a complete block file is at ``path``; a wrong-sized one or a link is
+        deleted (it cannot be a write in progress: names appear only with the whole file
+        behind them)."""
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
             return False
-        if stat.S_ISREG(st.st_mode) and st.st_size != self.file_bytes:
-            log.warning("fs block file has the wrong size, deleting it", path=path)
-            _unlink_all([path])
+        wrong_size = stat.S_ISREG(st.st_mode) and st.st_size != self.file_bytes
+        if wrong_size or stat.S_ISLNK(st.st_mode):
+            log.warning("fs block file has the wrong size or is a link, deleting it", path=path)
+            if _unlink_all([path]):
+                self.removed.add(key, _REMOVED_DAMAGED)
             return False
         return stat.S_ISREG(st.st_mode)
 
@@ -631,29 +739,32 @@ class _BlockFiles:
         """A new file open for writing in ``directory`` (made by the caller): ``(fd, temp name
         or None)``."""
         try:
-            return _create_file(directory, self.mode.publish, direct)
+            return _create_file(directory, self.mode.publish, direct, self.perms)
         except FileNotFoundError:  # directories vanished under us: forget them, make them
             self._forget_dirs()
             self._ensure_dir(directory)
-            return _create_file(directory, self.mode.publish, direct)
+            return _create_file(directory, self.mode.publish, direct, self.perms)
 
     def _forget_dirs(self) -> None:
+        """Forget every directory known to exist (one was removed under us)."""
         self._dirs.clear()
-        self._dirs.add(self._rank_dir)
 
     def _ensure_dir(self, directory: str) -> bool:
-        """Make ``directory`` (and missing parents) unless known; True if made by this call.
+        """Make ``directory`` unless known; True if made by this call.
 
-        Parents first, then one ``mkdir`` per level (``os.makedirs`` stats every level
-        first): a new leaf costs one system call, a known one none."""
+        One ``mkdir`` (``os.makedirs`` stats every level first): a new leaf costs one system
+        call, a known one none; missing parents are made when it says ``ENOENT``. A new
+        namespace directory gets its ``config.json``."""
         if directory in self._dirs:
             return False
-        parent = os.path.dirname(directory)
-        if parent != directory and parent not in self._dirs:
-            self._ensure_dir(parent)
-        made = _mkdir_exist_ok(directory)
+        made = _make_dirs(directory, self.perms, self._made_dir)
         self._dirs.add(directory)
         return made
+
+    def _made_dir(self, directory: str) -> None:
+        if directory == self._ns_dir:
+            log.warning("fs tier made its namespace directory again", path=directory)
+            _write_config(directory, self.ctx, self.perms)
 
     def _check_block(self, block: memoryview, *, into: bool = False) -> None:
         if block.nbytes != self.ctx.block_bytes:
@@ -694,7 +805,7 @@ class _BlockFiles:
                 self._touch(path)
                 outcomes[batch.indexes[j]] = 1
             elif problem is not None:  # not a plain miss
-                self._fail_load(path, identity, problem)
+                self._fail_load(batch.keys[j], path, identity, problem)
         return outcomes
 
     def _load(self, key: bytes, block: memoryview) -> bool:
@@ -706,26 +817,29 @@ class _BlockFiles:
             log.warning("fs load refused", tier=self.name, key=key.hex(), error=str(exc))
             return False
         try:
-            fd = _open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
+            fd = _open(path, os.O_RDONLY | os.O_NOFOLLOW | (_O_DIRECT if direct else 0))
         except FileNotFoundError:
             return False
         except OSError as exc:
-            self._fail_load(path, None, exc)
+            self._fail_load(key, path, None, _open_problem(exc))
             return False
         try:
             _read_block(fd, key, block)
         except (OSError, CorruptBlockError) as exc:
-            self._fail_load(path, _identity_of(fd), exc)
+            self._fail_load(key, path, _identity_of(fd), exc)
             return False
         finally:
             os.close(fd)
         self._touch(path)
         return True
 
-    def _fail_load(self, path: str, identity: tuple[int, int] | None, exc: Exception) -> None:
+    def _fail_load(
+        self, key: bytes, path: str, identity: tuple[int, int] | None, exc: Exception
+    ) -> None:
         log.warning("fs block unreadable, deleting it", tier=self.name, path=path, error=str(exc))
         self._forget(path)
-        _discard(path, identity)
+        if _discard(path, identity):
+            self.removed.add(key, _REMOVED_DAMAGED)
 
     # -- access record -------------------------------------------------------------------
 
@@ -736,6 +850,9 @@ class _BlockFiles:
     def _forget(self, path: str) -> None:
         if self.usage is not None:
             self.usage.forget(path)
+
+    def _evict(self, victims: Sequence[str]) -> None:
+        self.removed.add_paths(_unlink_all(victims), _REMOVED_EVICTED)
 
 
 # -- file format -----------------------------------------------------------------------------
@@ -793,13 +910,27 @@ def _wrong_length(length: int, expected: int) -> CorruptBlockError:
     return CorruptBlockError(f"payload is {length} bytes, expected {expected}")
 
 
+def _wrong_size(size: int, expected: int) -> CorruptBlockError:
+    return CorruptBlockError(f"file is {size} bytes, expected {expected}")
+
+
 def _read_block(fd: int, key: bytes, block: memoryview) -> None:
     page = _header_page()
     expected = HEADER_BYTES + block.nbytes
+    st = os.fstat(fd)
     got = _read_all(fd, [page, block])
     if got != expected:
         raise _short_file(got, expected)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != expected:
+        raise _wrong_size(st.st_size, expected)
     verify_block(page, key, block)
+
+
+def _open_problem(exc: OSError) -> Exception:
+    """What a failed open of a block file says (a link is refused, not followed)."""
+    if exc.errno == errno.ELOOP:
+        return CorruptBlockError("a symbolic link (not followed)")
+    return exc
 
 
 # The names the obj tier imported first.
@@ -919,7 +1050,13 @@ class _NativeBatch:
         _pack_fields(buffer, offset, key, self._nbytes, 0)  # the C loop fills in the sum
 
     def store(
-        self, fsio: FsIo, pool: Pool | None, heads: _Pages, fsync: bool, subset: Sequence[int]
+        self,
+        fsio: FsIo,
+        pool: Pool | None,
+        heads: _Pages,
+        fsync: bool,
+        perms: _Perms,
+        subset: Sequence[int],
     ) -> list[tuple[int, int]]:
         """Store the blocks at positions ``subset``: ``(result, failed step)`` for each."""
         count = len(subset)
@@ -934,8 +1071,8 @@ class _NativeBatch:
         result, step, noted = (_c_array(ctypes.c_int32, [0] * count) for _ in range(3))
         args = _fsio.StoreArgs(
             count, _at(c_temps), _at(c_finals), _at(c_check), _at(c_heads), _at(c_bodies),
-            _at(c_flags), HEADER_BYTES, self._nbytes, _PAYLOAD_SUM_AT, int(fsync), _at(result),
-            _at(step), _at(noted),
+            _at(c_flags), HEADER_BYTES, self._nbytes, _PAYLOAD_SUM_AT, int(fsync), perms.file,
+            int(perms.fix), _at(result), _at(step), _at(noted),
         )  # fmt: skip
         fsio.run(pool, args)
         for k, j in enumerate(subset):
@@ -981,9 +1118,11 @@ class _NativeBatch:
     def _problem(self, code: int, got: int, heads: _Pages, j: int) -> Exception:
         """The error the Python path raises for load result ``code``."""
         if code < 0:
-            return OSError(-code, os.strerror(-code), self.paths[j])
+            return _open_problem(OSError(-code, os.strerror(-code), self.paths[j]))
         if code == _fsio.LOAD_SHORT:
             return _short_file(got, HEADER_BYTES + self._nbytes)
+        if code == _fsio.LOAD_BAD_SIZE:
+            return _wrong_size(got, HEADER_BYTES + self._nbytes)
         if code == _fsio.LOAD_BAD_LENGTH:
             length = _HEADER.unpack_from(heads.mapping, j * HEADER_BYTES)[4]
             return _wrong_length(length, self._nbytes)
@@ -1037,22 +1176,81 @@ def _at(array: ctypes.Array[Any]) -> int:
 # -- creating and publishing -----------------------------------------------------------------
 
 
-def _mkdir_exist_ok(directory: str) -> bool:
+@dataclass(frozen=True)
+class _Perms:
+    """Modes of what the tier creates: ``file`` for files, ``dir`` for directories (x for
+    each class that may read or write); ``fix``: set them explicitly after creation, as the
+    umask may have narrowed them (any mode but the private default)."""
+
+    file: int
+    dir: int
+    fix: bool
+
+    @classmethod
+    def of(cls, mode: int) -> _Perms:
+        search = ((mode >> 1) | (mode >> 2)) & 0o111
+        return cls(file=mode, dir=mode | search, fix=mode != PRIVATE_MODE)
+
+
+_PRIVATE: Final = _Perms.of(PRIVATE_MODE)
+
+
+def _make_dirs(directory: str, perms: _Perms, made: Callable[[str], None] | None = None) -> bool:
+    """``mkdir`` ``directory`` with ``perms.dir``, and its missing parents first if it says
+    ``ENOENT``; True if this call made ``directory``. ``made`` hears of each one made,
+    parents first."""
     try:
-        os.mkdir(directory)
+        os.mkdir(directory, perms.dir)
     except FileExistsError:
         return False
+    except FileNotFoundError:
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            raise
+        _make_dirs(parent, perms, made)
+        try:
+            os.mkdir(directory, perms.dir)
+        except FileExistsError:
+            return False
+    if perms.fix:
+        os.chmod(directory, perms.dir)
+    if made is not None:
+        made(directory)
     return True
 
 
+def _narrow_dir(directory: str, perms: _Perms) -> None:
+    """Take from ``directory``, if it is this user's, what ``perms.dir`` does not allow."""
+    st = os.lstat(directory)
+    extra = stat.S_IMODE(st.st_mode) & 0o777 & ~perms.dir
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and extra:
+        os.chmod(directory, stat.S_IMODE(st.st_mode) & ~extra)
+        log.info("fs tier narrowed the mode of its namespace directory", path=directory,
+                 mode=f"{stat.S_IMODE(st.st_mode) & ~extra:04o}")  # fmt: skip
+
+
 def _create_file(
-    directory: str, publish: str, direct: bool, access: int = os.O_WRONLY
+    directory: str,
+    publish: str,
+    direct: bool,
+    perms: _Perms = _PRIVATE,
+    access: int = os.O_WRONLY,
 ) -> tuple[int, str | None]:
     flags = access | (_O_DIRECT if direct else 0)
     if publish != "rename":
-        return _open(directory, flags | _O_TMPFILE, 0o644), None
-    temp = os.path.join(directory, _temp_name("blk"))
-    return _open(temp, flags | os.O_CREAT | os.O_EXCL, 0o644), temp
+        fd, temp = _open(directory, flags | _O_TMPFILE, perms.file), None
+    else:
+        temp = os.path.join(directory, _temp_name("blk"))
+        fd = _open(temp, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, perms.file)
+    if perms.fix:
+        try:
+            os.fchmod(fd, perms.file)
+        except BaseException:
+            os.close(fd)
+            if temp is not None:
+                _unlink_all([temp])
+            raise
+    return fd, temp
 
 
 def _publish_linkat(fd: int, temp: str | None, path: str) -> bool:
@@ -1100,24 +1298,24 @@ def _linkat(old_dir: int, old: bytes, new_dir: int, new: bytes, flags: int) -> b
 # -- probing ---------------------------------------------------------------------------------
 
 
-def _probe(directory: str) -> _IoMode:
-    publish = _probe_publish(directory)
-    return _IoMode(direct=_probe_direct(directory, publish), publish=publish)
+def _probe(directory: str, perms: _Perms) -> _IoMode:
+    publish = _probe_publish(directory, perms)
+    return _IoMode(direct=_probe_direct(directory, publish, perms), publish=publish)
 
 
-def _probe_publish(directory: str) -> str:
+def _probe_publish(directory: str, perms: _Perms) -> str:
     """The first way in `PUBLISH_ORDER` to publish a file that works in ``directory``."""
     for publish in PUBLISH_ORDER:
-        if publish == "rename" or _can_link_tmpfile(directory, publish):
+        if publish == "rename" or _can_link_tmpfile(directory, publish, perms):
             return publish
     return "rename"
 
 
-def _can_link_tmpfile(directory: str, publish: str) -> bool:
+def _can_link_tmpfile(directory: str, publish: str, perms: _Perms) -> bool:
     if not _O_TMPFILE:
         return False
     try:
-        fd = _open(directory, os.O_WRONLY | _O_TMPFILE, 0o644)
+        fd = _open(directory, os.O_WRONLY | _O_TMPFILE, perms.file)
     except OSError:
         return False  # EOPNOTSUPP, EISDIR (old kernels), EINVAL
     target = os.path.join(directory, _temp_name("probe"))
@@ -1131,13 +1329,13 @@ def _can_link_tmpfile(directory: str, publish: str) -> bool:
             os.unlink(target)
 
 
-def _probe_direct(directory: str, publish: str) -> bool:
+def _probe_direct(directory: str, publish: str, perms: _Perms) -> bool:
     """Whether an aligned O_DIRECT write and read work in ``directory``."""
     if not _O_DIRECT:
         return False
     page = memoryview(mmap.mmap(-1, _ALIGN))
     try:
-        fd, temp = _create_file(directory, publish, direct=True, access=os.O_RDWR)
+        fd, temp = _create_file(directory, publish, True, perms, access=os.O_RDWR)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
@@ -1160,13 +1358,17 @@ def _probe_direct(directory: str, publish: str) -> bool:
 # -- start-up: config.json, leftovers, access record -----------------------------------------
 
 
-def _write_config(ns_dir: str, ctx: TierContext) -> None:
+def _write_config(ns_dir: str, ctx: TierContext, perms: _Perms) -> None:
     """Create ``config.json`` once (atomically); warn if an existing one differs."""
     path = os.path.join(ns_dir, "config.json")
     fields = ctx.namespace_fields()
     data = json.dumps(fields, indent=2, sort_keys=True).encode() + b"\n"
     temp = os.path.join(ns_dir, _temp_name("config.json"))
-    with open(temp, "xb") as f:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(temp, flags, perms.file)
+    with open(fd, "wb") as f:
+        if perms.fix:
+            os.fchmod(fd, perms.file)
         f.write(data)
     try:
         os.link(temp, path)
@@ -1286,23 +1488,75 @@ def _identity_of(fd: int) -> tuple[int, int] | None:
     return opened.st_dev, opened.st_ino
 
 
-def _discard(path: str, identity: tuple[int, int] | None) -> None:
-    """Delete ``path``; with ``identity`` (device, inode), only if it still is the file that
-    was read (a peer may have published a good one since)."""
-    with contextlib.suppress(OSError):
+def _discard(path: str, identity: tuple[int, int] | None) -> bool:
+    """Delete ``path`` (a link itself, never its target); with ``identity`` (device,
+    inode), only if it still is the file that was read (a peer may have published a good
+    one since). True if deleted."""
+    try:
         current = os.lstat(path)
         if identity is not None and identity != (current.st_dev, current.st_ino):
-            return
+            return False
         if stat.S_ISDIR(current.st_mode):
             os.rmdir(path)
         else:
             os.unlink(path)
+    except OSError:
+        return False
+    return True
 
 
-def _unlink_all(paths: Sequence[str]) -> None:
+def _unlink_all(paths: Sequence[str]) -> list[str]:
+    """Unlink each of ``paths``; the ones that were there."""
+    gone = []
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+            gone.append(path)
+    return gone
+
+
+def _key_of(path: str) -> bytes | None:
+    """The key of the block file at ``path`` (the inverse of `block_relpath`)."""
+    directory, name = os.path.split(path)
+    hexkey, dot, ext = name.rpartition(".")
+    _, sep, group = os.path.basename(directory).rpartition("_g")
+    try:
+        if not (dot and ext == "bin" and sep):
+            return None
+        return make_offload_key(bytes.fromhex(hexkey), int(group))
+    except ValueError:
+        return None
+
+
+class _Removed:
+    """Keys of block files the tier deleted on its own, for `FsTier.take_removed`, and
+    counts by reason (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._keys: collections.deque[bytes] = collections.deque()
+        self._lock = threading.Lock()
+        self.counts = {_REMOVED_DAMAGED: 0, _REMOVED_EVICTED: 0}
+        self.dropped = 0
+
+    def add(self, key: bytes, reason: str) -> None:
+        with self._lock:
+            self.counts[reason] += 1
+            if len(self._keys) >= REMOVED_QUEUE:
+                self._keys.popleft()
+                self.dropped += 1
+            self._keys.append(key)
+
+    def add_paths(self, paths: Sequence[str], reason: str) -> None:
+        for path in paths:
+            key = _key_of(path)
+            if key is not None:
+                self.add(key, reason)
+
+    def take(self) -> list[bytes]:
+        with self._lock:
+            keys = list(self._keys)
+            self._keys.clear()
+        return keys
 
 
 class _Usage:
