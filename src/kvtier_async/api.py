@@ -305,7 +305,7 @@ class TieredKVCache:
         """Copy the blocks of keys not held yet into the CPU tier; the cascade to every
         secondary tier runs in the background (`drain` waits for it)."""
         views = self._views(keys, blocks, writable=False)
-        out = self.ledger.prepare_store(keys, req if req is not None else object())
+        out = self.ledger.prepare_store(keys, req)  # None: a request of its own, finished
         if out is None:
             return StoreResult([], 0, no_room=True)
         stored = out.keys_to_store
@@ -333,10 +333,9 @@ class TieredKVCache:
         views = self._views(keys, blocks, writable=True)
         if not keys:
             return 0
-        slots = self.ledger.prepare_load(keys)
+        slots = self.ledger.prepare_load(keys)  # a reuse by a request of its own, finished
         job = Job(JobKind.LOAD, tuple(keys), (slots, views), on_done=self._loaded)
         result = await self._run(job, self._fail_load)
-        self.ledger.touch(keys)
         return sum(result.ok)
 
     def _loaded(self, result: JobResult) -> None:

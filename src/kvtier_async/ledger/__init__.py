@@ -18,7 +18,7 @@ from ._types import (
     make_offload_key,
     split_offload_key,
 )
-from .policies import ARCPolicy, CachePolicy, LRUPolicy, SlotTable, make_policy
+from .policies import ARCPolicy, CachePolicy, LRUPolicy, RequestAccess, SlotTable, make_policy
 from .primary import LedgerStatistics, PrimaryLedger
 from .tiering import StorePolicy, TierCounters, TieringLedger, TierTask
 
@@ -37,6 +37,7 @@ __all__ = [
     "OffloadingEvent",
     "PrepareStoreOutput",
     "PrimaryLedger",
+    "RequestAccess",
     "SlotTable",
     "StorePolicy",
     "TierCounters",
