@@ -326,12 +326,19 @@ class LRUPolicy(CachePolicy):
             return
         req.policy_state = None
         mine.live = False
-        where, bucket = self._where, self._open
+        where = self._where
+        tail_first = [key for key in reversed(order) if key in where]
+        if len(tail_first) == len(mine.keys):  # all in ``mine`` (which holds only these)
+            del self._buckets[mine.rank]
+            if tail_first:
+                fresh = self._open or self._new_bucket(False)
+                fresh.keys.update(dict.fromkeys(tail_first, 0))
+                where.update(dict.fromkeys(tail_first, fresh))
+            return
+        bucket = self._open
         left = len(mine.keys)  # every key ranked by the request is in ``order``
-        for key in reversed(order):  # _refresh, leaving ``mine`` to be dropped whole
-            old = where.get(key)
-            if old is None:
-                continue
+        for key in tail_first:  # _refresh, leaving ``mine`` to be dropped whole
+            old = where[key]
             if bucket is None:
                 bucket = self._new_bucket(False)
             if old is mine:
