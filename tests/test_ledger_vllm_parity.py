@@ -354,3 +354,15 @@ class Replay:
 def test_same_decisions_as_vllm(policy: str, touch: bool, trace: Trace) -> None:
     sides = (OurSide(trace, policy), VLLMSide(trace, policy))
     Replay(trace, touch, sides).run()
+
+
+@pytest.mark.parametrize("case", ["lru", "arc", "lru-touch", "arc-touch"])
+def test_bench_trace_hit_rates_match(case: str) -> None:
+    """The ``ledger`` benchmark's drivers, on a small trace: the same hit rate."""
+    from kvtier_async.bench import ledger as bench
+
+    trace = bench.make_trace(num_docs=20, num_requests=200, seed=3)
+    policy, touch = bench.CASES[case]
+    ours = bench._drive(bench._Ours(policy, touch, trace.capacity), trace)
+    theirs = bench._drive(bench._VLLM(policy, touch, trace.capacity, trace), trace)
+    assert 0 < ours.hit_rate == theirs.hit_rate
