@@ -156,7 +156,7 @@ def test_failed_store_frees_only_unreadable_slots() -> None:
     assert ledger.lookup(k(2)) is LookupResult.MISS
     assert ledger.statistics().free == 3
     events = ledger.take_events()
-    assert events[-1] == OffloadingEvent(ks(2, 3), Medium.CPU, removed=True)
+    assert events[-1] == OffloadingEvent(ks(2, 3), Medium.CPU, removed=True, metadata_only=True)
     # freed slots are reused from the free list once fresh ones run out
     out = ledger.prepare_store(ks(4, 5, 6))
     assert out is not None and sorted(out.store_spec.slot_ids) == [1, 2, 3]
@@ -336,15 +336,175 @@ def test_arc_ghost_lists_are_capped() -> None:
     assert len(policy.b1) <= 2 and len(policy.b2) <= 2
 
 
-def test_arc_failed_eviction_changes_nothing() -> None:
+def test_arc_refused_store_still_learns_from_its_ghost() -> None:
     ledger, policy = arc(2)
     store(ledger, [1])
     store(ledger, [2])
     assert store(ledger, [3]) == [1]  # B1 = [1]
     ledger.prepare_load(ks(2, 3))
-    # storing the ghost 1 needs an eviction that cannot happen: target stays put
+    before = (ledger.statistics(), sorted(ledger.keys()))
+    # storing the ghost 1 needs an eviction that cannot happen: nothing is reserved or
+    # evicted, but the store miss is seen first (as vLLM does): the target grows
     assert ledger.prepare_store(ks(1)) is None
-    assert policy.target_t1 == 0 and list(policy.b1) == ks(1)
+    assert (ledger.statistics(), sorted(ledger.keys())) == before
+    assert policy.target_t1 == 1 and list(policy.b1) == ks(1)
+
+
+def test_arc_store_miss_adapts_once_per_request() -> None:
+    ledger, policy = arc(2)
+    store(ledger, [1])
+    store(ledger, [2])
+    assert store(ledger, [3]) == [1]  # B1 = [1]
+    ledger.prepare_load(ks(2, 3))
+    # request r misses the ghost 1 twice (refused, then offered again): one adaptation
+    assert ledger.prepare_store(ks(1), "r") is None
+    assert ledger.prepare_store(ks(1), "r") is None
+    assert policy.target_t1 == 1
+    # another request's miss is another observation
+    assert ledger.prepare_store(ks(1), "s") is None
+    assert policy.target_t1 == 2
+
+
+def test_arc_ready_keys_of_a_store_offer_are_reuses() -> None:
+    ledger, policy = arc(4)
+    store(ledger, [1, 2])  # inserted only: T1
+    assert ledger.prepare_store(ks(3)) is not None  # 3 is being written
+    # request r offers [1, 2, 3, 4]: 1 and 2 are ready (reuses), 3 is neither, 4 is new
+    out = ledger.prepare_store(ks(1, 2, 3, 4), "r")
+    assert out is not None and out.keys_to_store == ks(4)
+    assert k(1) in policy.t1  # the frequency counts when the request finishes
+    ledger.request_finished("r")
+    # tail first: 4 (inserted) to T1's end, 2 and 1 (reused) to T2, head last
+    assert list(policy.t1) == ks(3, 4) and list(policy.t2) == ks(2, 1)
+
+
+def test_arc_a_key_a_request_stored_is_not_its_reuse() -> None:
+    ledger, policy = arc(4)
+    # r stores 1, then loads it (a cascade or a re-read): not a second access
+    store(ledger, [1], req="r")
+    ledger.prepare_load(ks(1), "r")
+    ledger.complete_load(ks(1))
+    ledger.request_finished("r")
+    assert list(policy.t1) == ks(1)
+    # a load by another request is
+    ledger.prepare_load(ks(1), "s")
+    ledger.request_finished("s")
+    assert list(policy.t2) == ks(1)
+
+
+# --- requests: positions, finish, anonymous calls -----------------------------------------
+
+
+def test_lru_running_requests_rank_by_their_start() -> None:
+    ledger = PrimaryLedger(4)
+    # A starts with 1, then B stores [2, 3], then A stores 4: A's keys share A's rank
+    store(ledger, [1], req="A")
+    store(ledger, [2, 3], req="B")
+    store(ledger, [4], req="A")
+    # anonymous stores need room: A's keys go first (tail first), then B's
+    assert store(ledger, [5]) == [4]
+    assert store(ledger, [6]) == [1]
+    assert store(ledger, [7]) == [3]
+
+
+def test_lru_a_later_request_pulls_shared_keys_into_its_rank() -> None:
+    ledger = PrimaryLedger(4)
+    # A stores [1, 2] and finishes: fresh ranks, tail first (1 is the most recent)
+    store(ledger, [1, 2], req="A")
+    ledger.request_finished("A")
+    # B starts later, stores 3 and loads 2: 2 joins B's rank, behind 3
+    store(ledger, [3], req="B")
+    ledger.prepare_load(ks(2), "B")
+    ledger.complete_load(ks(2))
+    assert store(ledger, [4, 5]) == [1]
+    assert store(ledger, [6]) == [2]
+
+
+def test_lru_an_earlier_request_does_not_pull_keys_back() -> None:
+    ledger = PrimaryLedger(3)
+    # C starts first (stores 9); A stores [1, 2] and finishes after it: fresh ranks
+    store(ledger, [9], req="C")
+    store(ledger, [1, 2], req="A")
+    ledger.request_finished("A")
+    # C loads 1: C's rank is older than 1's, which keeps its place
+    ledger.prepare_load(ks(1), "C")
+    ledger.complete_load(ks(1))
+    assert store(ledger, [5]) == [9]
+    assert store(ledger, [6]) == [2]
+    assert store(ledger, [7]) == [1]
+
+
+def test_noted_positions_order_a_request_tail_first() -> None:
+    ledger = PrimaryLedger(3)
+    ledger.note_positions("r", ks(1, 2, 3))  # 1 is the head, 3 the tail
+    # r stores its tail first, then the head
+    store(ledger, [3], req="r")
+    store(ledger, [1, 2], req="r")
+    # while r runs, its keys go tail first by position, not in the order they came
+    assert store(ledger, [4]) == [3]
+    ledger.request_finished("r")
+    # finished: fresh ranks, tail first, so the head is the most recent (and 4, stored
+    # before r finished, is older than both)
+    assert store(ledger, [5]) == [4]
+    assert store(ledger, [6]) == [2]
+    assert store(ledger, [7]) == [1]
+
+
+def test_derived_positions_follow_the_order_keys_are_recorded() -> None:
+    ledger = PrimaryLedger(3)
+    # without noted positions, the first recorded key is the head
+    store(ledger, [3], req="r")
+    store(ledger, [1, 2], req="r")
+    assert store(ledger, [4]) == [2]
+    assert store(ledger, [5]) == [1]
+
+
+def test_note_positions_needs_a_request_and_a_position() -> None:
+    ledger = PrimaryLedger(2)
+    with pytest.raises(ValueError, match="req"):
+        ledger.note_positions(None, ks(1))
+    with pytest.raises(ValueError, match="first"):
+        ledger.note_positions("r", ks(1), first=-1)
+
+
+def test_anonymous_calls_leave_no_state() -> None:
+    ledger = PrimaryLedger(4)
+    store(ledger, [1, 2, 3])
+    ledger.prepare_load(ks(1, 2))
+    ledger.complete_load(ks(1, 2))
+    assert ledger.prepare_store(ks(4, 5)) is not None
+    assert ledger.num_requests == 0
+    # a named request keeps its state until it finishes, or until a reset
+    ledger.prepare_load(ks(1), "r")
+    ledger.note_positions("s", ks(3))
+    assert ledger.num_requests == 2
+    ledger.request_finished("r")
+    ledger.request_finished("r")  # again: nothing left, ignored
+    assert ledger.num_requests == 1
+    ledger.reset()
+    assert ledger.num_requests == 0
+
+
+def test_touch_is_vllm_touch_outside_any_request() -> None:
+    ledger = PrimaryLedger(3)
+    store(ledger, [1, 2, 3], req="r")
+    ledger.request_finished("r")
+    # touch [2, 3]: fresh ranks tail first, so 1 is now the oldest, then 3
+    ledger.touch(ks(2, 3), "s")
+    assert ledger.num_requests == 0
+    assert store(ledger, [4]) == [1]
+    assert store(ledger, [5]) == [3]
+
+
+def test_failed_write_event_drops_keys_written_again() -> None:
+    ledger = PrimaryLedger(4)
+    ledger.prepare_store(ks(1, 2))
+    ledger.complete_store(ks(1, 2), success=False)
+    # 1 is offered again before the events are taken: its failure is old news
+    ledger.prepare_store(ks(1))
+    assert ledger.take_events() == [
+        OffloadingEvent(ks(2), Medium.CPU, removed=True, metadata_only=True)
+    ]
 
 
 # --- policy by name / module path, admission threshold -----------------------------------
@@ -386,17 +546,26 @@ def test_store_threshold_admits_on_the_nth_offer() -> None:
     assert out is not None and out.keys_to_store == ks(1)
 
 
-def test_store_threshold_does_not_count_a_failed_offer() -> None:
+def test_store_threshold_counts_a_refused_offer() -> None:
     ledger = PrimaryLedger(1, store_threshold=2)
     store(ledger, [1])
     store(ledger, [1])
     ledger.prepare_load(ks(1))
     # first offer of 2 is counted (nothing admitted)
     assert ledger.prepare_store(ks(2)) is not None
-    # [2, 3]: 2 is admitted but there is no room: fails, and 3's offer is not counted
+    # [2, 3]: 2 is admitted but there is no room: refused, after counting the offer
     assert ledger.prepare_store(ks(2, 3)) is None
     ledger.complete_load(ks(1))
+    # so 3 is admitted at its next offer
     out = ledger.prepare_store(ks(3))
-    assert out is not None and out.keys_to_store == []
-    out = ledger.prepare_store(ks(2))
-    assert out is not None and out.keys_to_store == ks(2)
+    assert out is not None and out.keys_to_store == ks(3)
+
+
+def test_store_threshold_counts_resident_keys_too() -> None:
+    ledger = PrimaryLedger(4, store_threshold=2, max_tracker_size=2)
+    # the tracker holds 2 counts; an offer's own keys are never pushed out by it
+    assert ledger.prepare_store(ks(1, 2, 3)) is not None  # 1 and 2 counted, 3 not
+    out = ledger.prepare_store(ks(3, 1))  # 3 pushes out 2 (the oldest not offered)
+    assert out is not None and out.keys_to_store == ks(1)
+    out = ledger.prepare_store(ks(2, 3))
+    assert out is not None and out.keys_to_store == ks(3)

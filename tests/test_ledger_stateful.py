@@ -8,11 +8,18 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier_async.ledger import LedgerError, LookupResult, PrimaryLedger, make_offload_key
+from kvtier_async.ledger import (
+    LedgerError,
+    LookupResult,
+    LRUPolicy,
+    PrimaryLedger,
+    make_offload_key,
+)
 
 KEYS = [make_offload_key(i.to_bytes(4, "big"), i % 2) for i in range(12)]
 key_lists = st.lists(st.sampled_from(KEYS), max_size=6)
-reqs = st.sampled_from([None, "a", "b", "c"])
+NAMED = ["a", "b", "c"]
+reqs = st.sampled_from([None, *NAMED])
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -29,7 +36,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def snapshot(self) -> tuple[object, ...]:
         led = self.ledger
-        return (led.statistics(), dict(led._slot_of), list(led._ref), list(led._key_of))
+        return (led.statistics(), dict(led._slot_of), list(led._ref), list(led._free))
 
     def apply_events(self) -> None:
         for event in self.ledger.take_events():
@@ -67,13 +74,19 @@ class LedgerMachine(RuleBasedStateMachine):
             expected = LookupResult.HIT if success else LookupResult.MISS
             assert self.ledger.lookup(key) is expected
 
-    @rule(data=st.data())
-    def prepare_load(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), req=reqs, record=st.booleans())
+    def prepare_load(self, data: st.DataObject, req: str | None, record: bool) -> None:
         readable = self.readable()
         keys = data.draw(st.lists(st.sampled_from(readable), max_size=4)) if readable else []
-        spec = self.ledger.prepare_load(keys)
+        spec = self.ledger.prepare_load(keys, req, record=record)
         assert [self.ledger.slot_of(key) for key in keys] == list(spec.slot_ids)
         self.pins.update(keys)
+
+    @rule(req=st.sampled_from(NAMED), keys=key_lists, first=st.integers(0, 8))
+    def note_positions(self, req: str, keys: list[bytes], first: int) -> None:
+        before = self.snapshot()
+        self.ledger.note_positions(req, keys, first)
+        assert self.snapshot() == before
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
@@ -104,10 +117,12 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger.touch(keys, req)
         assert self.ledger.statistics() == before
 
-    @rule(req=reqs)
-    def request_finished(self, req: str | None) -> None:
-        if req is not None:
-            self.ledger.request_finished(req)
+    @rule(req=st.sampled_from(NAMED))
+    def request_finished(self, req: str) -> None:
+        before = self.snapshot()
+        self.ledger.request_finished(req)
+        assert self.snapshot() == before
+        assert req not in self.ledger._reqs
 
     @rule()
     def reset(self) -> None:
@@ -120,10 +135,11 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def slots_are_owned_once(self) -> None:
         led = self.ledger
-        owners = [key for key in led._key_of if key is not None]
-        assert len(owners) == len(set(owners)) == len(led._slot_of)
-        for key, slot in led._slot_of.items():
-            assert led._key_of[slot] == key
+        owned = list(led._slot_of.values())
+        free = led._free + list(range(led._fresh, led.num_slots))
+        assert len(set(owned)) == len(owned)  # no slot has two owners
+        assert sorted(owned + free) == list(range(led.num_slots))  # nor is owned and free
+        for slot in owned:
             assert led._ref[slot] >= -1
 
     @invariant()
@@ -142,6 +158,28 @@ class LedgerMachine(RuleBasedStateMachine):
             assert self.ledger.ref_count(key) == count
         for key in self.writing:
             assert self.ledger.ref_count(key) == -1
+
+    @invariant()
+    def only_running_named_requests_have_state(self) -> None:
+        assert set(self.ledger._reqs) <= set(NAMED)  # anonymous calls leave nothing
+
+    @invariant()
+    def lru_buckets_hold_each_key_once(self) -> None:
+        policy, led = self.ledger.policy, self.ledger
+        if not isinstance(policy, LRUPolicy):
+            return
+        buckets = policy._buckets
+        assert set(policy._where) == set(led.keys())
+        for key, bucket in policy._where.items():
+            assert key in bucket.keys and buckets[bucket.rank] is bucket
+        assert sum(len(bucket.keys) for bucket in buckets.values()) == len(led.keys())
+        assert list(buckets) == sorted(buckets)  # rank order
+        for bucket in buckets.values():
+            assert bucket.keys or bucket.live  # only a running request keeps an empty one
+        running = [s.policy_state for s in led._reqs.values() if s.policy_state is not None]
+        assert sorted(id(b) for b in running) == sorted(id(b) for b in buckets.values() if b.live)
+        if policy._open is not None:
+            assert policy._open is list(buckets.values())[-1]
 
     @invariant()
     def events_agree_with_state(self) -> None:

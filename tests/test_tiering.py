@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier_async.ledger import (
+    ARCPolicy,
     JobKind,
     LedgerError,
     LookupResult,
@@ -219,3 +220,35 @@ def test_reset_needs_a_drain_and_drops_queued_work() -> None:
 def test_apply_of_an_unknown_task_is_an_error() -> None:
     with pytest.raises(LedgerError, match="not outstanding"):
         tiering().apply(42, [])
+
+
+def test_a_promotion_is_an_insertion_by_the_request_that_looked_up() -> None:
+    led = TieringLedger(PrimaryLedger(4, policy="arc"), ["t0"])
+    policy = led.primary.policy
+    assert isinstance(policy, ARCPolicy)
+    # r misses 1 in the primary, the tier has it: promoted for r
+    assert led.lookup(k(1), "r") is RETRY
+    answer_lookups(led, {k(1)})
+    assert led.lookup(k(1), "r") is PENDING
+    apply_all(led, led.take_tasks())
+    # r loads it: not a reuse (r inserted it), so it stays in T1 when r finishes
+    led.prepare_load(ks(1), "r")
+    led.complete_load(ks(1))
+    led.request_finished("r")
+    assert list(policy.t1) == ks(1) and not policy.t2
+    # s loads it: a reuse
+    led.prepare_load(ks(1), "s")
+    led.complete_load(ks(1))
+    led.request_finished("s")
+    assert list(policy.t2) == ks(1)
+
+
+def test_a_cascade_pin_is_not_a_use() -> None:
+    led = TieringLedger(PrimaryLedger(4, policy="arc"), ["t0"])
+    store(led, [1], req="r")
+    led.request_finished("r")
+    [cascade] = led.take_tasks()  # pins 1 for the copy to the tier
+    assert led.primary.ref_count(k(1)) == 1
+    assert led.primary.num_requests == 0
+    apply_all(led, [cascade])
+    assert list(led.primary.policy.t1) == ks(1)  # type: ignore[attr-defined]

@@ -316,7 +316,7 @@ class TieredKVCache:
         _check_keys(keys)
         views = self._views(keys, blocks, writable=False)
         self._require_open()
-        out = self.ledger.prepare_store(keys, req if req is not None else object())
+        out = self.ledger.prepare_store(keys, req)  # None: a request of its own, finished
         if out is None:
             return StoreResult([], 0, no_room=True)
         stored = out.keys_to_store
@@ -346,10 +346,9 @@ class TieredKVCache:
         self._require_open()
         if not keys:
             return 0
-        slots = self.ledger.prepare_load(keys)
+        slots = self.ledger.prepare_load(keys)  # a reuse by a request of its own, finished
         job = Job(JobKind.LOAD, tuple(keys), (slots, views), on_done=self._loaded)
         result = await self._run(job, self._fail_load)
-        self.ledger.touch(keys)
         return sum(result.ok)
 
     def _loaded(self, result: JobResult) -> None:

@@ -19,7 +19,7 @@ from ._types import (
     split_offload_key,
 )
 from .keys import prefix_keys
-from .policies import ARCPolicy, CachePolicy, LRUPolicy, SlotTable, make_policy
+from .policies import ARCPolicy, CachePolicy, LRUPolicy, RequestAccess, SlotTable, make_policy
 from .primary import LedgerStatistics, PrimaryLedger
 from .tiering import StorePolicy, TierCounters, TieringLedger, TierTask
 
@@ -38,6 +38,7 @@ __all__ = [
     "OffloadingEvent",
     "PrepareStoreOutput",
     "PrimaryLedger",
+    "RequestAccess",
     "SlotTable",
     "StorePolicy",
     "TierCounters",

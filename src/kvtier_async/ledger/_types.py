@@ -180,9 +180,14 @@ class PrepareStoreOutput:
 
 @dataclass(slots=True)
 class OffloadingEvent:
-    """Keys that became readable (``removed=False``) or left (``removed=True``) a medium."""
+    """Keys that became readable (``removed=False``) or left (``removed=True``) a medium.
+
+    ``metadata_only``: a removal of keys that were never announced (their write failed);
+    it releases bookkeeping and is not a public eviction (vLLM publishes no BlockRemoved).
+    """
 
     keys: list[bytes]
     medium: Medium
     removed: bool
     tier: str | None = field(default=None)
+    metadata_only: bool = False

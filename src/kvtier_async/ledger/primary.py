@@ -23,6 +23,40 @@ Transitions (anything else raises `LedgerError` and changes nothing):
     reset           everything -> absent
 
 Counters (free, evictable, writing) are kept incrementally, never recomputed by a scan.
+
+Requests. The decisions (hits, keys to store, victims) are vLLM 0.33's
+``CPUOffloadingManager``'s for the same calls, and so are the signals that order the keys:
+vLLM's scheduler never calls ``touch``. A request is any hashable ``req``; while it runs
+the ledger keeps a `RequestAccess` for it (vLLM keeps one in the ``ReqContext``):
+
+- ``prepare_load(keys, req)`` records the keys as seen and reused by the request (a key the
+  request stored itself is not a reuse);
+- ``prepare_store(keys, req)``, with ``store_threshold >= 2``, first counts the whole offer
+  in the admission tracker; the absent keys admitted are store candidates, and those the
+  request has not missed before are store misses (ARC adapts on its ghost lists); the
+  candidates and the resident *ready* keys of the offer are recorded as seen, the ready
+  ones as reuses; only then are slots reserved (all or nothing);
+- ``request_finished(req)`` hands the policy the request's keys head -> tail, which of them
+  it only inserted and which it reused, and drops the request's state.
+
+A key's position in its request orders it there (tail keys go first). A caller that knows
+positions (the vLLM connector: the end token of each key's block, as vLLM's scheduler sets
+them) gives them with ``note_positions(req, keys, first)`` before the calls that use them;
+otherwise a key gets the next position when its request first records it, which is right
+when a request records its keys head -> tail.
+
+``req=None`` is an anonymous call: a request of its own, recorded and finished before the
+call returns; nothing of it outlives the call. ``touch(keys)`` (vLLM's classic signal) is
+still there with vLLM's meaning: fresh recency, tail first (LRU); ready T1 keys to T2 (ARC).
+
+What a refused call leaves behind: a refused ``prepare_load`` / ``complete_load`` changes
+nothing. A ``prepare_store`` answering None reserves and evicts nothing, but keeps what
+vLLM keeps from the offer: its admission counts, its store misses (and ARC's adaptation to
+them) and what the request saw.
+
+Events: a key evicted or written is announced; a failed write announces a
+``metadata_only`` removal (the key was never announced), dropped at `take_events` for keys
+written again since, as vLLM does.
 """
 
 from __future__ import annotations
@@ -34,13 +68,14 @@ from typing import NamedTuple
 import numpy as np
 
 from ._types import CPUSpec, LedgerError, LookupResult, Medium, OffloadingEvent, PrepareStoreOutput
-from .policies import CachePolicy, SlotTable, make_policy
+from .policies import CachePolicy, RequestAccess, SlotTable, make_policy
 
 __all__ = ["LedgerStatistics", "PrimaryLedger"]
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _PENDING = LookupResult.HIT_PENDING
+_NO_SLOTS = np.zeros(0, dtype=np.int64)
 
 
 class LedgerStatistics(NamedTuple):
@@ -56,9 +91,8 @@ class LedgerStatistics(NamedTuple):
 class PrimaryLedger:
     """Books of the CPU tier's ``num_slots`` slots.
 
-    ``req`` arguments are any hashable request id: keys one request uses are kept together
-    in recency order (see `policies`); call `request_finished` when it ends. Without one,
-    each call is its own group.
+    ``req`` arguments are any hashable request id (None: an anonymous one-call request);
+    call `request_finished` when a request ends. See the module docstring.
     """
 
     def __init__(
@@ -74,6 +108,8 @@ class PrimaryLedger:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if store_threshold < 1:
             raise ValueError(f"store_threshold must be >= 1, got {store_threshold}")
+        if max_tracker_size < 1:
+            raise ValueError(f"max_tracker_size must be >= 1, got {max_tracker_size}")
         self.num_slots = num_slots
         self.medium = medium
         self.store_threshold = store_threshold
@@ -81,10 +117,12 @@ class PrimaryLedger:
         self._table = SlotTable(num_slots)
         self._slot_of = self._table.slot_of
         self._ref = self._table.ref
-        self._key_of: list[bytes | None] = [None] * num_slots
         self.policy: CachePolicy = make_policy(policy, num_slots, self._table)
-        self._seen: OrderedDict[bytes, int] = OrderedDict()
-        self._req_group: dict[Hashable, int] = {}
+        # offers per key, oldest first (vLLM's ``counts``); only with a threshold
+        self._counts: OrderedDict[bytes, int] | None = (
+            OrderedDict() if store_threshold >= 2 else None
+        )
+        self._reqs: dict[Hashable, RequestAccess] = {}
         self._events: list[OffloadingEvent] = []
         self.generation = 0
         self._reset_counters()
@@ -94,7 +132,6 @@ class PrimaryLedger:
         self._fresh = 0
         self._num_evictable = 0
         self._num_writing = 0
-        self._next_gid = 0
 
     # --- queries -----------------------------------------------------------------------
 
@@ -122,6 +159,11 @@ class PrimaryLedger:
     def num_free(self) -> int:
         return len(self._free) + self.num_slots - self._fresh
 
+    @property
+    def num_requests(self) -> int:
+        """Requests with state kept (recorded, not finished yet)."""
+        return len(self._reqs)
+
     def statistics(self) -> LedgerStatistics:
         used = len(self._slot_of)
         pinned = used - self._num_evictable - self._num_writing
@@ -135,30 +177,125 @@ class PrimaryLedger:
             self.generation,
         )
 
+    # --- requests ----------------------------------------------------------------------
+
+    def note_positions(self, req: Hashable, keys: Sequence[bytes], first: int = 1) -> None:
+        """Give ``keys[i]`` the position ``first + i`` in request ``req`` (vLLM: the end
+        token of the key's block, ``ReqContext.set_offload_key_position``); a later note
+        of a key replaces the earlier one."""
+        if req is None:
+            raise ValueError("note_positions needs a request id (req), got None")
+        if first < 0:
+            raise ValueError(f"first must be >= 0, got {first}")
+        state = self._request(req)
+        noted, seen = state.noted, state.seen
+        for position, key in enumerate(keys, first):
+            noted[key] = position
+            if key in seen and seen[key] != position:
+                seen[key] = position
+                state.in_order = False
+        state.next_position = max(state.next_position, first + len(keys))
+
+    def request_finished(self, req: Hashable) -> None:
+        """The request ended: its keys get their recency (and ARC its frequency) from what
+        it recorded, and its state is dropped. A request without state is ignored."""
+        state = self._reqs.pop(req, None)
+        if state is not None:
+            self._finish(state)
+
+    def _request(self, req: Hashable | None) -> RequestAccess:
+        if req is None:
+            return RequestAccess()
+        state = self._reqs.get(req)
+        if state is None:
+            state = self._reqs[req] = RequestAccess()
+        return state
+
+    def _finish(self, state: RequestAccess) -> None:
+        if state.seen or state.policy_state is not None:
+            self.policy.on_request_finished(state.order(), state.inserted, state.reused, state)
+
+    def _record(self, state: RequestAccess, keys: Sequence[bytes], reused: Sequence[bytes]) -> None:
+        """vLLM's ``_record_request_cache_access``: keys seen for the first time (in call
+        order) go to the policy; ``reused`` keys not inserted by the request are reuses."""
+        seen, noted = state.seen, state.noted
+        new = [key for key in keys if key not in seen]
+        if new:
+            following = state.next_position
+            if not noted:  # every position derived: in record order, after all others
+                seen.update(zip(new, range(following, following + len(new))))
+                state.next_position = following + len(new)
+                state.last_position = following + len(new) - 1
+            else:
+                self._record_noted(state, new)
+            self.policy.on_request_access(new, state)
+        if reused:
+            inserted = state.inserted
+            if inserted:
+                state.reused.update(key for key in reused if key not in inserted)
+            else:
+                state.reused.update(reused)
+
+    @staticmethod
+    def _record_noted(state: RequestAccess, new: list[bytes]) -> None:
+        seen, noted = state.seen, state.noted
+        following, last, in_order = state.next_position, state.last_position, state.in_order
+        for key in new:
+            position = noted.get(key)
+            if position is None:
+                position = following
+                following += 1
+            seen[key] = position
+            if position <= last:
+                in_order = False
+            last = position
+        state.next_position, state.last_position, state.in_order = following, last, in_order
+
     # --- loads -------------------------------------------------------------------------
 
-    def prepare_load(self, keys: Sequence[bytes]) -> CPUSpec:
-        """Pin readable keys against eviction; their slots, in key order."""
+    def prepare_load(
+        self, keys: Sequence[bytes], req: Hashable | None = None, *, record: bool = True
+    ) -> CPUSpec:
+        """Pin readable keys against eviction; their slots, in key order. The keys are a
+        reuse by ``req`` unless ``record`` is False (a pin for a copy to another tier)."""
         slot_of, ref = self._slot_of, self._ref
         slots = [slot_of.get(key, -1) for key in keys]
-        for key, slot in zip(keys, slots):
-            if slot < 0 or ref[slot] < 0:
-                self._refuse_load(key)
+        counts = [ref[slot] for slot in slots]
+        if slots and (-1 in slots or min(counts) < 0):
+            self._refuse_load(keys, slots)
         for slot in slots:
-            count = ref[slot]
-            if count == 0:
-                self._num_evictable -= 1
-            ref[slot] = count + 1
+            ref[slot] += 1
+        idle = counts.count(0)
+        if idle:  # a key twice in ``keys`` leaves idle once
+            self._num_evictable -= (
+                idle
+                if len(set(slots)) == len(slots)
+                else len({slot for slot, count in zip(slots, counts) if count == 0})
+            )
+        if record:
+            state = self._request(req)
+            self._record(state, keys, keys)
+            if req is None:
+                self._finish(state)
         return CPUSpec(np.array(slots, dtype=np.int64))
 
-    def _refuse_load(self, key: bytes) -> None:
-        state = "absent" if key not in self._slot_of else "being written"
-        raise LedgerError(f"cannot load key {key.hex()}: it is {state}")
+    def _refuse_load(self, keys: Sequence[bytes], slots: list[int]) -> None:
+        for key, slot in zip(keys, slots):
+            if slot < 0 or self._ref[slot] < 0:
+                state = "absent" if slot < 0 else "being written"
+                raise LedgerError(f"cannot load key {key.hex()}: it is {state}")
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         """Unpin keys pinned by `prepare_load`."""
         slot_of, ref = self._slot_of, self._ref
         slots = [slot_of.get(key, -1) for key in keys]
+        if -1 not in slots and len(set(slots)) == len(slots):  # the usual case, at C speed
+            counts = [ref[slot] for slot in slots]
+            if not slots or min(counts) > 0:
+                for slot in slots:
+                    ref[slot] -= 1
+                self._num_evictable += counts.count(1)
+                return
         needed = Counter(slots) if len(set(slots)) < len(slots) else dict.fromkeys(slots, 1)
         for key, slot in zip(keys, slots):
             if slot < 0 or ref[slot] < needed[slot]:
@@ -171,89 +308,116 @@ class PrimaryLedger:
                 self._num_evictable += 1
 
     def touch(self, keys: Sequence[bytes], req: Hashable | None = None) -> None:
-        """Mark keys (head -> tail of a prefix) as recently used."""
-        self.policy.touch(keys, self._group(req))
-
-    def _group(self, req: Hashable | None) -> int:
-        if req is not None:
-            gid = self._req_group.get(req)
-            if gid is not None:
-                return gid
-        self._next_gid += 1
-        if req is not None:
-            self._req_group[req] = self._next_gid
-        return self._next_gid
-
-    def request_finished(self, req: Hashable) -> None:
-        """Forget a request's recency group (its keys keep their place)."""
-        self._req_group.pop(req, None)
+        """Mark keys (head -> tail of a prefix) as recently used, as vLLM's ``touch`` does
+        (``req`` is accepted like vLLM's request context, which its policies ignore)."""
+        self.policy.touch(keys)
 
     # --- stores ------------------------------------------------------------------------
 
     def prepare_store(
         self, keys: Iterable[bytes], req: Hashable | None = None, *, admit_all: bool = False
     ) -> PrepareStoreOutput | None:
-        """Reserve slots (state: being written) for the keys not held yet.
+        """Reserve slots (state: being written) for the absent keys admitted.
 
         Evicts idle keys outside the batch if free slots are short. Returns None, with no
-        state changed, when not enough is evictable. ``admit_all`` skips the
-        ``store_threshold`` admission (promotions from a secondary tier).
+        slot reserved and nothing evicted, when not enough is evictable (the offer's
+        signals are kept: see the module docstring). ``admit_all`` skips the
+        ``store_threshold`` admission and its counting (promotions from a secondary tier).
         """
         batch = dict.fromkeys(keys)
-        new = [key for key in batch if key not in self._slot_of]
-        admitted = new if admit_all else self._admitted(new)
+        state = self._request(req)
+        counts = None if admit_all else self._counts
+        if counts is not None:
+            self._count_offer(counts, batch)
+        slot_of, ref = self._slot_of, self._ref
+        new = [key for key in batch if key not in slot_of]
+        ready = (
+            [key for key in batch if key in slot_of and ref[slot_of[key]] >= 0]
+            if len(new) < len(batch)
+            else []
+        )
+        if counts is not None:
+            need = self.store_threshold
+            new = [key for key in new if counts.get(key, 0) >= need]
+        if new and self.policy.observes_store_misses:
+            misses = state.store_misses
+            first_misses = [key for key in new if key not in misses] if misses else new
+            if first_misses:
+                self.policy.on_store_miss(first_misses, state)
+                misses.update(first_misses)
+        if ready:
+            recorded = set(new).union(ready)
+            self._record(state, [key for key in batch if key in recorded], ready)
+        elif new:
+            self._record(state, new, ())
+        out = self._reserve(batch, new, state)
+        if req is None:
+            self._finish(state)
+        return out
+
+    def _count_offer(self, counts: OrderedDict[bytes, int], keys: Iterable[bytes]) -> None:
+        """vLLM's ``_record_accesses``: count every key of the offer; a new key pushes out
+        the oldest count not of this offer, or is not counted when all are of it."""
+        offered = 0
+        absent: list[bytes] = []
+        for key in keys:
+            count = counts.get(key)
+            if count is None:
+                absent.append(key)
+            else:
+                counts.move_to_end(key)
+                counts[key] = count + 1
+                offered += 1
+        others = len(counts) - offered
+        limit = self._max_tracker
+        for key in absent:
+            if len(counts) >= limit:
+                if others == 0:
+                    continue
+                counts.popitem(last=False)
+                others -= 1
+            counts[key] = 1
+
+    def _reserve(
+        self, batch: dict[bytes, None], new: list[bytes], state: RequestAccess
+    ) -> PrepareStoreOutput | None:
+        """Evict (all or nothing) and allocate slots for ``new``."""
+        if not new:
+            return PrepareStoreOutput([], CPUSpec(_NO_SLOTS), [])
         victims: list[bytes] = []
-        if admitted:
-            deficit = len(admitted) - self.num_free
+        deficit = len(new) - self.num_free
+        if deficit > 0:
             if deficit > self._num_evictable:
                 return None
-            found = self.policy.evict(max(deficit, 0), batch, admitted)
+            found = self.policy.evict(deficit, batch)
             if found is None:
                 return None
             victims = found
-        self._record_offers(new)
-        self._release(victims)
-        slots = self._allocate(admitted, self._group(req))
-        return PrepareStoreOutput(admitted, CPUSpec(np.array(slots, dtype=np.int64)), victims)
-
-    def _admitted(self, new: list[bytes]) -> list[bytes]:
-        """Keys offered at least ``store_threshold`` times, counting this offer."""
-        if self.store_threshold == 1:
-            return new
-        need, seen = self.store_threshold - 1, self._seen
-        return [key for key in new if seen.get(key, 0) >= need]
-
-    def _record_offers(self, new: list[bytes]) -> None:
-        if self.store_threshold == 1:
-            return
-        seen = self._seen
-        for key in new:
-            seen[key] = seen.pop(key, 0) + 1
-        while len(seen) > self._max_tracker:
-            seen.popitem(last=False)
+            self._release(victims)
+        slots = self._allocate(new, state)
+        state.inserted.update(new)
+        return PrepareStoreOutput(new, CPUSpec(np.array(slots, dtype=np.int64)), victims)
 
     def _release(self, victims: list[bytes]) -> None:
-        if not victims:
-            return
-        for key in victims:
-            slot = self._slot_of.pop(key)
-            self._key_of[slot] = None
-            self._free.append(slot)
+        self._free.extend(map(self._slot_of.pop, victims))
         self._num_evictable -= len(victims)
         self._events.append(OffloadingEvent(victims, self.medium, removed=True))
 
-    def _allocate(self, keys: list[bytes], gid: int) -> list[int]:
+    def _allocate(self, keys: list[bytes], state: RequestAccess) -> list[int]:
+        """Fresh slots first, then the free list from its end (vLLM's order)."""
         num_fresh = min(len(keys), self.num_slots - self._fresh)
         slots = list(range(self._fresh, self._fresh + num_fresh))
         self._fresh += num_fresh
-        free = self._free
-        slots.extend(free.pop() for _ in range(len(keys) - num_fresh))
-        slot_of, key_of, ref = self._slot_of, self._key_of, self._ref
-        for key, slot in zip(keys, slots):
-            slot_of[key] = slot
-            key_of[slot] = key
+        reused = len(keys) - num_fresh
+        if reused:
+            free = self._free
+            slots += reversed(free[-reused:])
+            del free[-reused:]
+        self._slot_of.update(zip(keys, slots))
+        ref = self._ref
+        for slot in slots:
             ref[slot] = -1
-        self.policy.insert(keys, gid)
+        self.policy.insert(keys, state)
         self._num_writing += len(keys)
         return slots
 
@@ -275,29 +439,43 @@ class PrimaryLedger:
                 ref[slot_of[key]] = 0
             self._num_evictable += len(done)
         else:
+            self._free.extend(map(slot_of.pop, done))
             for key in done:
-                slot = slot_of.pop(key)
-                self._key_of[slot] = None
-                self._free.append(slot)
                 self.policy.remove(key)
-        self._events.append(OffloadingEvent(done, self.medium, removed=not success))
+        self._events.append(
+            OffloadingEvent(done, self.medium, removed=not success, metadata_only=not success)
+        )
         return done
 
     # --- events and reset --------------------------------------------------------------
 
     def take_events(self) -> list[OffloadingEvent]:
-        """Events since the last call, oldest first."""
+        """Events since the last call, oldest first. A failed write's removal leaves out
+        the keys written again since."""
         events, self._events = self._events, []
-        return events
+        if not any(event.metadata_only for event in events):
+            return events
+        slot_of, kept = self._slot_of, []
+        for event in events:
+            if event.metadata_only:
+                gone = [key for key in event.keys if key not in slot_of]
+                if not gone:
+                    continue
+                if len(gone) < len(event.keys):
+                    event = OffloadingEvent(
+                        gone, event.medium, removed=True, tier=event.tier, metadata_only=True
+                    )
+            kept.append(event)
+        return kept
 
     def reset(self) -> None:
-        """Forget every key (a removal event lists them) and start a new generation."""
+        """Forget every key (a removal event lists them) and every request's state, and
+        start a new generation; the admission counts of ``store_threshold`` stay (vLLM's
+        ``reset_cache`` keeps them too)."""
         if self._slot_of:
             self._events.append(OffloadingEvent(list(self._slot_of), self.medium, removed=True))
         self._slot_of.clear()
-        self._key_of[:] = [None] * self.num_slots
         self.policy.clear()
-        self._req_group.clear()
-        self._seen.clear()
+        self._reqs.clear()  # the admission counts stay, as in vLLM
         self._reset_counters()
         self.generation += 1

@@ -14,7 +14,13 @@ answer about a key is RETRY: the key joins that tier's next batched LOOKUP task.
 has the key gets a primary slot reserved for it (being written, so a repeated lookup answers
 HIT_PENDING and the key is promoted once) and a PROMOTE task, batched per (tier, request)
 and handed out by `take_tasks` at the end of the step. Applied, the keys that arrived become
-readable; the others are freed and their cached answer turns into a miss.
+readable; the others are freed and their cached answer turns into a miss. The slot is
+reserved as vLLM 0.33's tiering manager does it (``prepare_write`` is the CPU manager's
+``prepare_store`` with the request's context): an ordinary store of the key by the request
+that looked it up, so it is that request's store miss and insertion (the admission
+threshold aside: vLLM refuses ``store_threshold`` with tiers, we admit promotions). The
+request's later load of the key is then not a reuse, since it inserted it. Cascades pin
+their source slots without recording a use (vLLM's ``prepare_read``).
 
 Lookup answers are kept while a request that asked is alive (`request_finished` releases
 them), so one request sees one consistent answer per key; cascades and failed promotions
@@ -190,6 +196,8 @@ class TieringLedger:
         return LookupResult.RETRY if retry else LookupResult.MISS
 
     def _promote(self, tier: int, key: bytes, req: Hashable) -> LookupResult:
+        # vLLM's tiering manager reserves the slot with the CPU manager's own prepare_store
+        # and the request's context: the key is a store miss and an insertion of ``req``.
         out = self.primary.prepare_store((key,), req, admit_all=True)
         if out is None or not out.keys_to_store:
             return LookupResult.MISS
@@ -199,14 +207,19 @@ class TieringLedger:
         return LookupResult.HIT_PENDING
 
     def request_finished(self, req: Hashable) -> None:
-        """Release the request's lookup answers and recency group."""
+        """Release the request's lookup answers; the primary closes its request."""
         for tier in self._lookups:
             tier.release(req)
         self.primary.request_finished(req)
 
     # --- the primary's calls -----------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[bytes], req: Hashable) -> PrepareStoreOutput | None:
+    def note_positions(self, req: Hashable, keys: Sequence[bytes], first: int = 1) -> None:
+        self.primary.note_positions(req, keys, first)
+
+    def prepare_store(
+        self, keys: Sequence[bytes], req: Hashable | None = None
+    ) -> PrepareStoreOutput | None:
         out = self.primary.prepare_store(keys, req)
         if out is not None and self.store_policy is StorePolicy.REQUEST_LEVEL:
             new = set(out.keys_to_store)
@@ -227,11 +240,11 @@ class TieringLedger:
         for index, tier in enumerate(self._lookups):
             todo = [key for key in keys if not tier.known_present(key)]
             if todo:
-                spec = self.primary.prepare_load(todo)
+                spec = self.primary.prepare_load(todo, record=False)  # not a request's use
                 self._queued.append(self._task(JobKind.CASCADE, index, todo, spec.slot_ids))
 
-    def prepare_load(self, keys: Sequence[bytes]) -> IntArray:
-        return self.primary.prepare_load(keys).slot_ids
+    def prepare_load(self, keys: Sequence[bytes], req: Hashable | None = None) -> IntArray:
+        return self.primary.prepare_load(keys, req).slot_ids
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         self.primary.complete_load(keys)

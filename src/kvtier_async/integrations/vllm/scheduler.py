@@ -194,8 +194,11 @@ class ConnectorScheduler:
         hashes, factor = st.req.block_hashes, self.layout.factor
         for g, group in enumerate(self.layout.groups):
             keys = st.keys[g]
+            start = len(keys)
             for i in range((len(keys) + 1) * factor - 1, len(hashes), factor):
                 keys.append(make_offload_key(bytes(hashes[i]), group))
+            if len(keys) > start:  # a key's position: its block's end (as vLLM's scheduler)
+                self.ledger.note_positions(st.req.request_id, keys[start:], start + 1)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -223,9 +226,8 @@ class ConnectorScheduler:
         if hits == 0 or end_tokens <= num_computed_tokens:
             return 0, False
         keys = self._chunk_keys(st, first, first + hits)
-        self.ledger.prepare_load(keys)
+        self.ledger.prepare_load(keys, request.request_id)  # a reuse, as vLLM's prepare_load
         st.pinned = keys
-        self.ledger.touch(keys, request.request_id)
         return end_tokens - num_computed_tokens, True
 
     def _walk(self, st: _Request, first: int, last: int) -> tuple[int, bool]:
@@ -444,6 +446,7 @@ class ConnectorScheduler:
         if st is None:
             return
         st.finished = True
+        self.ledger.request_finished(req_id)  # after its last store, as vLLM does
         if not st.jobs:
             self._forget(req_id)
 
@@ -528,6 +531,9 @@ class ConnectorScheduler:
         self.ledger.reset()
         for req_id in [r for r, st in self._reqs.items() if st.finished]:
             self._forget(req_id)
+        for req_id, st in self._reqs.items():  # the reset dropped the positions too
+            for keys in st.keys:
+                self.ledger.note_positions(req_id, keys)
         return flushed
 
     def shutdown(self) -> None:
@@ -549,6 +555,8 @@ def events_to_vllm(events: Iterable[OffloadingEvent], block_size: int) -> list[A
 
     out: list[Any] = []
     for event in events:
+        if event.metadata_only:  # a failed write: never announced (vLLM publishes nothing)
+            continue
         hashes: list[Any] = [split_offload_key(key)[0] for key in event.keys]
         medium = event.tier or event.medium.value
         if event.removed:
