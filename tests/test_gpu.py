@@ -703,25 +703,29 @@ def _vllm_stand_ins() -> dict[str, types.ModuleType]:
 
 
 @pytest.fixture
-def worker_role(monkeypatch: pytest.MonkeyPatch) -> tuple[types.ModuleType, Any]:
+def worker_role(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[types.ModuleType, Any]]:
     """``(kvtier_async.integrations.vllm.worker, FullAttentionSpec)``: vLLM's own classes
-    where vLLM is importable, the stand-ins (removed again afterwards) where it is not."""
+    where vLLM is importable, the stand-ins (forgotten again afterwards) where it is not."""
     name = "kvtier_async.integrations.vllm.worker"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # vLLM's import, under torch
             from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-            return importlib.import_module(name), FullAttentionSpec
+            worker = importlib.import_module(name)
     except ImportError:
         pass
+    else:
+        yield worker, FullAttentionSpec
+        return
     for stand_in, module in _vllm_stand_ins().items():
         monkeypatch.setitem(sys.modules, stand_in, module)
     before = set(sys.modules)
-    worker = importlib.import_module(name)
-    for new in set(sys.modules) - before:  # built on the stand-ins: forget them afterwards
-        monkeypatch.setitem(sys.modules, new, sys.modules[new])
-    return worker, _FullAttentionSpec
+    try:
+        yield importlib.import_module(name), _FullAttentionSpec
+    finally:
+        for built_on_stand_ins in set(sys.modules) - before:
+            del sys.modules[built_on_stand_ins]
 
 
 GPU_BLOCK_TOKENS, HEAD_SIZE = 16, 64
