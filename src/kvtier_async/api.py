@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier_async._log import get_logger
-from kvtier_async.config import ConfigError, Section
+from kvtier_async.config import ConfigError, Section, config_mappings
 from kvtier_async.engine import Engine, Job, JobError, JobResult, LaneStatistics
 from kvtier_async.ledger import (
     JobKind,
@@ -82,6 +82,9 @@ class CacheConfig:
         "model",
         "close_timeout_s",
     )
+
+    def __post_init__(self) -> None:  # a read-only copy whose repr hides credentials
+        object.__setattr__(self, "secondary_tiers", config_mappings(self.secondary_tiers))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CacheConfig:
