@@ -36,7 +36,8 @@ the attempt ends as `RequestTimeoutError`. A request and its retries get ``2 * t
 all (from its first attempt: a wait for a `max_concurrency` token does not count), except a
 lookup's HEAD, which gets ``lookup_timeout_s`` (default ``min(1.0, timeout_s)``) in all: a
 lookup that does not answer in time is a miss, counted in ``lookup_timeouts``. The breaker's
-probe gets ``min(timeout_s, lookup_timeout_s)``. ``aclose`` waits at most ``timeout_s``.
+probe gets ``min(timeout_s, lookup_timeout_s)``. ``aclose`` waits at most ``timeout_s``, so
+a failed ``open`` returns within ``3 * timeout_s`` (its probe's budget, then the close).
 
 *Failures.* Every request holds one token of an `anyio.CapacityLimiter` of ``max_concurrency``.
 Throttling (429, 503 SlowDown), other 5xx, timeouts and connection errors are retried up to
