@@ -101,12 +101,16 @@ from botocore.config import Config as BotoConfig  # type: ignore[import-untyped]
 
 from kvtier_async._log import RateLimited, get_logger
 from kvtier_async.config import ConfigError, Section
-from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics, block_relpath
+from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics
 
 # The object body is the fs tier's block file format, so fs and obj are interchangeable.
-from kvtier_async.tiers.fs import HEADER_BYTES, CorruptBlockError
-from kvtier_async.tiers.fs import _pack_header as pack_header
-from kvtier_async.tiers.fs import _verify as verify_block
+from kvtier_async.tiers.blockfile import (
+    HEADER_BYTES,
+    CorruptBlockError,
+    block_relpath,
+    pack_header,
+    verify_block,
+)
 
 __all__ = [
     "AccessDeniedError",
