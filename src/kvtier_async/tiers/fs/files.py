@@ -61,8 +61,8 @@ from kvtier_async.tiers.fs.blockio import (
     write_all,
 )
 from kvtier_async.tiers.fs.native import FsIo, Workers
-from kvtier_async.tiers.fs.native_batch import NativeBatch, scratch_pages
-from kvtier_async.tiers.fs.native_source import LOAD_OK, STEP_NAMES, STORE_PRESENT, STORE_WRITTEN
+from kvtier_async.tiers.fs.native_batch import load_batch, store_batch
+from kvtier_async.tiers.fs.native_source import STORE_FAILED, STORE_PRESENT, STORE_WRITTEN
 from kvtier_async.tiers.fs.publish import (
     PUBLISHERS,
     Directories,
@@ -95,8 +95,6 @@ __all__ = [
 
 log = get_logger(__name__)
 
-# A store's outcome per block: failed, or the C helper's codes (found complete, or written).
-STORE_FAILED: Final = 0
 WARN_INTERVAL_S: Final = 10.0
 # Tests that inject faults through the seams of `blockio` switch the C path off with it.
 _native_fsio: Callable[[], FsIo | None] = native.native_fsio
@@ -117,7 +115,10 @@ class Reports:
 
 
 class BlockFiles:
-    """Blocking block-file operations; every method may run in any worker thread."""
+    """Blocking block-file operations; every method may run in any worker thread. The C
+    path (`native_batch.store_batch`, `native_batch.load_batch`) runs its batches with the
+    public methods the Python path uses for each block: one set of checks, records and
+    warnings."""
 
     def __init__(
         self,
@@ -140,11 +141,11 @@ class BlockFiles:
         self.perms = perms
         self.removed = reports.removed
         self.store_errors = reports.store_errors
-        self._warn = reports.warn
+        self.warn = reports.warn
         self.file_bytes = HEADER_BYTES + ctx.block_bytes
         ns_dir = os.path.join(root, ctx.namespace)
         known = {root, ns_dir, os.path.join(ns_dir, f"r{ctx.rank}")}
-        self.dirs = Directories(ns_dir, known, ctx, perms, self._warn)
+        self.dirs = Directories(ns_dir, known, ctx, perms, self.warn)
         self._publish = PUBLISHERS[mode.publish]
         # The C batch path publishes by rename; the O_TMPFILE ways stay in Python.
         self.fsio = _native_fsio() if mode.publish == "rename" else None
@@ -217,7 +218,7 @@ class BlockFiles:
     def store_many(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[int]:
         """Store each block: `STORE_FAILED`, `STORE_PRESENT` or `STORE_WRITTEN` per key."""
         if self.fsio is not None:
-            outcomes = self._store_native(self.fsio, keys, blocks)
+            outcomes = store_batch(self, self.fsio, keys, blocks)
         else:
             pairs = zip(keys, blocks, strict=True)
             outcomes = [self._store_or_fail(key, block) for key, block in pairs]
@@ -229,99 +230,26 @@ class BlockFiles:
         try:
             return self._store(key, block)
         except (OSError, ValueError) as exc:
-            self._store_failed(key, exc)
+            self.store_failed(key, exc)
             return STORE_FAILED
 
-    def _store_failed(self, key: bytes, exc: Exception) -> None:
+    def store_failed(self, key: bytes, exc: Exception) -> None:
         self.store_errors.failed(exc)
-        self._warn("fs store failed", tier=self.name, key=key.hex(), error=str(exc))
-
-    def _store_native(
-        self, fsio: FsIo, keys: Sequence[bytes], blocks: Sequence[memoryview]
-    ) -> list[int]:
-        """`store_many` through the C loop: Python prepares names, directories and headers."""
-        outcomes = [STORE_FAILED] * len(keys)
-        batch = NativeBatch()
-        for index, (key, block) in enumerate(zip(keys, blocks, strict=True)):
-            try:
-                self._check_block(block)
-                path = self.path(key)
-                directory = os.path.dirname(path)
-                made_dir = self.dirs.ensure(directory)
-            except (OSError, ValueError) as exc:
-                self._store_failed(key, exc)
-                continue
-            batch.add(
-                index,
-                key,
-                block,
-                path,
-                directory=directory,
-                check=not made_dir,
-                direct=self.mode.direct,
-            )
-        if not batch.indexes:
-            return outcomes
-        heads = scratch_pages("store", len(batch.indexes))
-        batch.fill_headers(heads)
-        pool = self.workers.pool("write")
-        if self.usage is None:
-            results = batch.store(
-                fsio, pool, heads, self.fsync, self.perms, range(len(batch.indexes))
-            )
-        else:  # one block at a time, so that evictions never hit a block of this batch
-            results = []
-            for j, path in enumerate(batch.paths):
-                try:
-                    self._evict(self.usage.admit(path, self.file_bytes))
-                except OSError as exc:  # a block file larger than max_bytes
-                    results.append((-(exc.errno or errno.EIO), 0))
-                    continue
-                results += batch.store(fsio, pool, heads, self.fsync, self.perms, [j])
-        retry = [j for j, (code, step) in enumerate(results) if code == -errno.ENOENT and step == 1]
-        if retry:  # directories vanished under us: forget them, make them, once more
-            self.dirs.forget()
-            try:
-                for j in retry:
-                    self.dirs.ensure(batch.dirs[j])
-            except OSError as exc:
-                self._warn("fs tier cannot make its directories again", tier=self.name,
-                           error=str(exc))  # fmt: skip
-            again = batch.store(fsio, pool, heads, self.fsync, self.perms, retry)
-            for j, result in zip(retry, again, strict=True):
-                results[j] = result
-        for j, (code, step) in enumerate(results):
-            index, path = batch.indexes[j], batch.paths[j]
-            if batch.noted[j]:
-                self._warn("fs block file had the wrong size or was a link, replaced it",
-                           path=path)  # fmt: skip
-                self.removed.add(batch.keys[j], REMOVED_DAMAGED)
-            if code == STORE_WRITTEN:
-                outcomes[index] = STORE_WRITTEN
-            elif code == STORE_PRESENT:
-                self._touch(path)
-                outcomes[index] = STORE_PRESENT
-            else:
-                self._forget(path)
-                call = STEP_NAMES.get(step, "store")
-                self._store_failed(
-                    keys[index], OSError(-code, f"{call}: {os.strerror(-code)}", path)
-                )
-        return outcomes
+        self.warn("fs store failed", tier=self.name, key=key.hex(), error=str(exc))
 
     def _store(self, key: bytes, block: memoryview) -> int:
-        self._check_block(block)
+        self.check_block(block)
         path = self.path(key)
         made_dir = self.dirs.ensure(os.path.dirname(path))
         if not made_dir and self._present(key, path):  # a directory made just now is empty
-            self._touch(path)
+            self.touch(path)
             return STORE_PRESENT
         if self.usage is not None:
-            self._evict(self.usage.admit(path, self.file_bytes))
+            self.evict(self.usage.admit(path, self.file_bytes))
         try:
             return self._write(path, key, block)
         except BaseException:
-            self._forget(path)
+            self.forget(path)
             raise
 
     def _present(self, key: bytes, path: str) -> bool:
@@ -334,7 +262,7 @@ class BlockFiles:
             return False
         wrong_size = stat.S_ISREG(st.st_mode) and st.st_size != self.file_bytes
         if wrong_size or stat.S_ISLNK(st.st_mode):
-            self._warn("fs block file has the wrong size or is a link, deleting it", path=path)
+            self.warn("fs block file has the wrong size or is a link, deleting it", path=path)
             if unlink_all([path]):
                 self.removed.add(key, REMOVED_DAMAGED)
             return False
@@ -374,7 +302,7 @@ class BlockFiles:
             self.dirs.ensure(directory)
             return create_file(directory, self.mode.publish, direct, self.perms)
 
-    def _check_block(self, block: memoryview, *, into: bool = False) -> None:
+    def check_block(self, block: memoryview, *, into: bool = False) -> None:
         if block.nbytes != self.ctx.block_bytes:
             raise ValueError(f"block is {block.nbytes} bytes, expected {self.ctx.block_bytes}")
         if not block.c_contiguous:
@@ -386,81 +314,54 @@ class BlockFiles:
 
     def load_many(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[int]:
         if self.fsio is not None:
-            return self._load_native(self.fsio, keys, blocks)
+            return load_batch(self, self.fsio, keys, blocks)
         return [int(self._load(key, block)) for key, block in zip(keys, blocks, strict=True)]
-
-    def _load_native(
-        self, fsio: FsIo, keys: Sequence[bytes], blocks: Sequence[memoryview]
-    ) -> list[int]:
-        """`load_many` through the C loop, with the checks of `verify_block`."""
-        outcomes = [0] * len(keys)
-        batch = NativeBatch()
-        for index, (key, block) in enumerate(zip(keys, blocks, strict=True)):
-            try:
-                self._check_block(block, into=True)
-                path = self.path(key)
-            except ValueError as exc:
-                self._refuse_load(key, exc)
-                continue
-            batch.add(index, key, block, path, direct=self.mode.direct)
-        if not batch.indexes:
-            return outcomes
-        heads = scratch_pages("load", len(batch.indexes))
-        pool = self.workers.pool("read")
-        for j, (code, problem, identity) in enumerate(batch.load(fsio, pool, heads)):
-            path = batch.paths[j]
-            if code == LOAD_OK:
-                self._touch(path)
-                outcomes[batch.indexes[j]] = 1
-            elif problem is not None:  # not a plain miss
-                self._fail_load(batch.keys[j], path, identity, problem)
-        return outcomes
 
     def _load(self, key: bytes, block: memoryview) -> bool:
         try:
-            self._check_block(block, into=True)
+            self.check_block(block, into=True)
             path = self.path(key)
             direct = self.mode.direct and is_aligned(block)
         except ValueError as exc:
-            self._refuse_load(key, exc)
+            self.refuse_load(key, exc)
             return False
         try:
             fd = open_file(path, os.O_RDONLY | os.O_NOFOLLOW | (O_DIRECT if direct else 0))
         except FileNotFoundError:
             return False
         except OSError as exc:
-            self._fail_load(key, path, None, open_problem(exc))
+            self.fail_load(key, path, None, open_problem(exc))
             return False
         try:
             read_block(fd, key, block)
         except (OSError, CorruptBlockError) as exc:
-            self._fail_load(key, path, identity_of(fd), exc)
+            self.fail_load(key, path, identity_of(fd), exc)
             return False
         finally:
             os.close(fd)
-        self._touch(path)
+        self.touch(path)
         return True
 
-    def _fail_load(
+    def fail_load(
         self, key: bytes, path: str, identity: tuple[int, int] | None, exc: Exception
     ) -> None:
-        self._warn("fs block unreadable, deleting it", tier=self.name, path=path, error=str(exc))
-        self._forget(path)
+        self.warn("fs block unreadable, deleting it", tier=self.name, path=path, error=str(exc))
+        self.forget(path)
         if discard(path, identity):
             self.removed.add(key, REMOVED_DAMAGED)
 
-    def _refuse_load(self, key: bytes, exc: Exception) -> None:
-        self._warn("fs load refused", tier=self.name, key=key.hex(), error=str(exc))
+    def refuse_load(self, key: bytes, exc: Exception) -> None:
+        self.warn("fs load refused", tier=self.name, key=key.hex(), error=str(exc))
 
     # -- access record -------------------------------------------------------------------
 
-    def _touch(self, path: str) -> None:
+    def touch(self, path: str) -> None:
         if self.usage is not None:
             self.usage.touch(path, self.file_bytes)
 
-    def _forget(self, path: str) -> None:
+    def forget(self, path: str) -> None:
         if self.usage is not None:
             self.usage.forget(path)
 
-    def _evict(self, victims: Sequence[str]) -> None:
+    def evict(self, victims: Sequence[str]) -> None:
         self.removed.add_paths(unlink_all(victims), REMOVED_EVICTED)

@@ -79,8 +79,8 @@ class LoadArgs(ctypes.Structure):
 
 @dataclass(frozen=True)
 class FsIo:
-    """The compiled helper: `run` a batch (see the module docstring), `crc32c`, and the
-    worker pools (`Pool`)."""
+    """The compiled helper: `run` a batch (what C does per block: `native_source`),
+    `crc32c`, and the worker pools (`Pool`)."""
 
     library: ctypes.CDLL
     hardware_crc: bool

@@ -46,11 +46,15 @@ __all__ = [
     "SOURCE",
     "STEP_NAMES",
     "STEP_OPEN",
+    "STORE_FAILED",
     "STORE_PRESENT",
     "STORE_WRITTEN",
 ]
 
-# Store results (per block): a negative value is -errno of the step in ``steps``.
+# Store results (per block): a negative value is -errno of the step in ``steps``. A store's
+# outcome on either I/O path is one of STORE_FAILED (Python's; C reports -errno), STORE_PRESENT
+# (a complete file was there) and STORE_WRITTEN.
+STORE_FAILED: Final = 0
 STORE_PRESENT: Final = 1
 STORE_WRITTEN: Final = 2
 STEP_NAMES: Final = {1: "open", 2: "write", 3: "fsync", 4: "rename", 5: "stat"}

@@ -161,7 +161,7 @@ class FsTierStatistics(TierStatistics):
 
 
 class FsTier(SecondaryTier):
-    """Blocks as files under ``root_dir`` (see the module docstring)."""
+    """Blocks as files under ``root_dir`` (see `kvtier_async.tiers.fs` and its modules)."""
 
     kind = "fs"
 
