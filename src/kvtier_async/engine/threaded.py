@@ -6,8 +6,21 @@ socket pair; a pump task in the loop wakes on that byte (``anyio.wait_readable``
 anyio backend works) and queues the jobs with ``submit_nowait``. A full queue answers "not
 now": the job comes back from `poll` as `Deferred` and the owner offers it again next step.
 Every job's result lands in a thread-safe outbox that the owner drains with `poll` at the
-points of its step where it applies results. Only `drain` and `close` block, for resets and
-shutdown.
+points of its step where it applies results. Only `flush`, `drain` and `close` block.
+
+*Flushes.* Some jobs must end before the owner goes on (a store reading GPU blocks that the
+next forward pass overwrites; every tier job before a cache reset frees the slots they
+use). `flush` takes exactly those jobs, wherever they are: not handed over yet, waiting in
+the inbox, deferred (in the outbox or held by the owner), queued or running. In the loop it
+submits each one that has no place in a queue, waiting for room (``await engine.submit``),
+and waits for them all, up to a deadline; while it runs, the pump defers none of them. At
+the deadline, a job that has not started is cancelled (its cancelled result is in the
+outbox at once) and a running one is cancelled at its next checkpoint: its result comes
+when it really ended (a copy in a thread, or on a CUDA stream, finishes first; see
+`kvtier_async.transfer.handlers`), so whatever it wrote is not reused before it reports.
+Either way the job never runs later, and `flush` returns it as abandoned instead of
+raising. The loop keeps every accepted job's handle until `poll` hands out its result, so
+a flush knows a job that ended but was not polled yet from one never submitted.
 
 (``BlockingPortal.start_task_soon`` was not used for submission: it waits for the loop to
 run the spawn, so a busy loop would stall the scheduler thread.)
@@ -29,7 +42,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from kvtier_async._log import get_logger
 
 from .engine import Engine, EngineClosed
-from .jobs import Job, JobResult
+from .jobs import Job, JobError, JobHandle, JobResult
 
 __all__ = ["Deferred", "ThreadedEngine"]
 
@@ -57,6 +70,10 @@ class ThreadedEngine:
         self._stack = contextlib.ExitStack()
         self._portal: BlockingPortal | None = None
         self.engine: Engine | None = None
+        # Loop side: the handle of every job the engine accepted, until `poll` hands out its
+        # result; the jobs a running flush owns (the pump defers none of them).
+        self._accepted: dict[int, JobHandle] = {}
+        self._flushing: dict[int, Job] = {}
 
     def __enter__(self) -> ThreadedEngine:
         with contextlib.ExitStack() as stack:
@@ -116,9 +133,13 @@ class ThreadedEngine:
     def poll(self) -> list[JobResult | Deferred]:
         """Results (and deferred jobs) that arrived since the last call; never blocks."""
         out: list[JobResult | Deferred] = []
+        accepted = self._accepted
         with contextlib.suppress(queue.Empty):
             while True:
-                out.append(self._outbox.get_nowait())
+                item = self._outbox.get_nowait()
+                if accepted and isinstance(item, JobResult):
+                    accepted.pop(item.job_id, None)
+                out.append(item)
         return out
 
     def has_pending_work(self) -> bool:
@@ -126,7 +147,9 @@ class ThreadedEngine:
         return not self._inbox.empty() or (engine is not None and engine.has_pending_work())
 
     def drain(self, timeout_s: float | None = None) -> None:
-        """Block until every job handed over so far ended (resets, shutdown)."""
+        """Block until every job the engine took ended; raises `TimeoutError` past
+        ``timeout_s``. Jobs deferred meanwhile come back through `poll` and are not waited
+        for: to make sure given jobs ended, `flush` them."""
         portal = self._portal
         if portal is None:
             return
@@ -137,6 +160,24 @@ class ThreadedEngine:
         with anyio.fail_after(timeout_s):
             self._take_inbox(self.engine)
             await self.engine.drain()
+
+    def flush(self, jobs: Iterable[Job], timeout_s: float, *, grace_s: float = 0.0) -> list[Job]:
+        """Block until each of ``jobs`` ended, or ``timeout_s`` passed; never raises a timeout.
+
+        ``jobs`` may be anywhere short of having had their result polled: not handed over
+        yet, in the inbox, deferred, queued or running (see the module docstring). Returns
+        the jobs abandoned at the deadline: cancelled, so that none runs later; the result
+        of each comes out of `poll`, at once for one that had not started, once it really
+        ended for one that was running. ``grace_s`` is how long to wait for those after
+        the deadline (a reset needs them ended; a worker's hook does not wait for them)."""
+        batch = list(jobs)
+        if not batch:
+            return []
+        portal = self._portal
+        if portal is None:
+            raise EngineClosed("the threaded engine is not running")
+        abandoned: list[Job] = portal.call(self._flush, batch, timeout_s, grace_s)
+        return abandoned
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` (sync or async) in the loop and wait for it (start-up, tests)."""
@@ -164,8 +205,81 @@ class ThreadedEngine:
 
     def _submit(self, engine: Engine, job: Job) -> None:
         try:
-            engine.submit_nowait(job)
+            self._accepted[job.job_id] = engine.submit_nowait(job)
         except anyio.WouldBlock:
-            self._outbox.put(Deferred(job))
+            if job.job_id not in self._flushing:  # a flush submits it, waiting for room
+                self._outbox.put(Deferred(job))
         except EngineClosed as exc:
-            self._outbox.put(JobResult.failure(job, exc))
+            self._fail(job, exc)
+
+    def _fail(self, job: Job, error: BaseException, *, cancelled: bool = False) -> None:
+        """End a job the engine never took: its failure goes out through an ended handle,
+        so that a flush sees it ended."""
+        handle = JobHandle(job)
+        self._accepted[job.job_id] = handle
+        handle._resolve(JobResult.failure(job, error, cancelled=cancelled))
+
+    async def _flush(self, jobs: list[Job], timeout_s: float, grace_s: float) -> list[Job]:
+        assert self.engine is not None
+        engine = self.engine
+        wanted = {job.job_id: job for job in jobs}
+        for job in jobs:
+            job.on_done = self._outbox.put
+        self._flushing = wanted
+        try:
+            self._take_inbox(engine)  # jobs handed over earlier go first, in order
+            self._drop_deferrals(wanted)
+            with anyio.move_on_after(timeout_s):
+                for job in jobs:
+                    if job.job_id not in self._accepted:
+                        await self._submit_waiting(engine, job)
+                for job in jobs:
+                    await _ended(self._accepted.get(job.job_id))
+        finally:
+            self._flushing = {}
+        abandoned = self._abandon(jobs)
+        if abandoned and grace_s > 0:
+            with anyio.move_on_after(grace_s):
+                for job in abandoned:
+                    await _ended(self._accepted.get(job.job_id))
+        return abandoned
+
+    def _drop_deferrals(self, wanted: dict[int, Job]) -> None:
+        """Take out of the outbox the `Deferred` items of jobs a flush now owns. The owner
+        is blocked in `flush` and everything else that fills the outbox runs in this
+        thread, so the other items go back in their order."""
+        kept: list[JobResult | Deferred] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                item = self._outbox.get_nowait()
+                if not (isinstance(item, Deferred) and item.job.job_id in wanted):
+                    kept.append(item)
+        for item in kept:
+            self._outbox.put(item)
+
+    async def _submit_waiting(self, engine: Engine, job: Job) -> None:
+        try:
+            self._accepted[job.job_id] = await engine.submit(job)
+        except EngineClosed as exc:
+            self._fail(job, exc)
+
+    def _abandon(self, jobs: list[Job]) -> list[Job]:
+        """Cancel the jobs that did not end in time; which ones."""
+        abandoned = []
+        for job in jobs:
+            handle = self._accepted.get(job.job_id)
+            if handle is None:  # it never got a place in a queue
+                error = TimeoutError(f"job {job.job_id} found no room before the deadline")
+                self._fail(job, error, cancelled=True)
+                abandoned.append(job)
+            elif not handle.done():
+                handle.cancel()
+                abandoned.append(job)
+        return abandoned
+
+
+async def _ended(handle: JobHandle | None) -> None:
+    """Wait until the job of ``handle`` ended, however (None: it ended before it started)."""
+    if handle is not None and not handle.done():
+        with contextlib.suppress(JobError):
+            await handle.wait()

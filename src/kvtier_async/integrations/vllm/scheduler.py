@@ -19,11 +19,21 @@ Per step, vLLM calls (on its scheduler thread, never blocked here):
 
 Secondary tiers run on an `Engine` inside a `ThreadedEngine`; results come back through a
 queue polled by these hooks. Only ``reset_cache`` and ``shutdown`` wait.
+
+``reset_cache`` flushes every tier job (`ThreadedEngine.flush`, ``wait_timeout_s`` at most):
+a cascade reads a CPU slot and a promotion writes one, and the reset frees them all. If a
+job cannot be made to end in time it does not raise into vLLM: the reset is refused
+(``None``, vLLM's ``False``), with a warning naming the jobs; the jobs go on and their
+results apply as usual. The device jobs in flight are flushed by the workers at the next
+step; until every worker reported them (a job abandoned at a worker's deadline is reported
+only once its copy ended), a fence holds new stores and lookups, so no freed slot is
+reused while a late copy may still touch it.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,7 +124,8 @@ class ConnectorScheduler:
         self._block_jobs: dict[int, set[int]] = {}  # GPU block -> store jobs reading it
         self._step_loads: dict[int, DeviceJob] = {}
         self._step_allocated: set[int] = set()
-        self._tier_jobs: dict[int, TierTask] = {}  # engine job id -> ledger task
+        self._tier_jobs: dict[int, tuple[Job, TierTask]] = {}  # engine job id -> its task
+        self._reset_fence: dict[int, int] = {}  # device job flushed by a reset -> reports due
         self._deferred: list[Job] = []
         self._region: SharedRegion | None = None
         self._threaded: ThreadedEngine | None = None
@@ -159,21 +170,25 @@ class ConnectorScheduler:
             if isinstance(item, Deferred):
                 self._deferred.append(item.job)
                 continue
-            task = self._tier_jobs.pop(item.job_id, None)
-            if task is not None:
-                self.ledger.apply(task.task_id, item.ok)
+            entry = self._tier_jobs.pop(item.job_id, None)
+            if entry is not None:
+                self.ledger.apply(entry[1].task_id, item.ok)
 
     def _submit_tier_work(self) -> None:
         threaded = self._threaded
         if threaded is None:
             return
+        threaded.submit(self._take_tier_work(), wake=False)
+        threaded.wake()
+
+    def _take_tier_work(self) -> list[Job]:
+        """The deferred tier jobs, and a job for each task the ledger decided since."""
         jobs, self._deferred = self._deferred, []
         for task in self.ledger.take_tasks():
             job = Job(task.kind, task.keys, task.slot_ids, tier=task.tier)
-            self._tier_jobs[job.job_id] = task
+            self._tier_jobs[job.job_id] = (job, task)
             jobs.append(job)
-        threaded.submit(jobs, wake=False)
-        threaded.wake()
+        return jobs
 
     # --- lookups ----------------------------------------------------------------------
 
@@ -208,6 +223,8 @@ class ConnectorScheduler:
         st.cursor = [0] * len(st.cursor)  # (re)starting: offer every block again
         if st.jobs:
             return None, False
+        if self._reset_fence:
+            return 0, False  # no promotion into a slot a late copy may touch
         if st.load_failed:
             return 0, False
         self._update_keys(st)
@@ -319,7 +336,10 @@ class ConnectorScheduler:
         stores: dict[int, DeviceJob] = {}
         finished = set(scheduler_output.finished_req_ids or ())
         settled, scheduled = self._settled, scheduler_output.num_scheduled_tokens
-        for req_id in itertools.chain(scheduled, finished):
+        finished_stores: Iterable[str] = finished
+        if self._reset_fence:  # no store into a slot a late copy may touch: offered later
+            scheduled, finished_stores = {}, ()
+        for req_id in itertools.chain(scheduled, finished_stores):
             if req_id in settled and req_id not in finished:
                 continue  # its prompt's blocks were all considered: nothing to store
             st = self._reqs.get(req_id)
@@ -463,7 +483,10 @@ class ConnectorScheduler:
         self._drain_tier_results()
 
     def _job_reported(self, job_id: int, count: int, failed: bool) -> None:
-        job = self._jobs.get(job_id) if job_id >= self._stale_below else None
+        if job_id < self._stale_below:
+            self._fence_reported(job_id, count)
+            return
+        job = self._jobs.get(job_id)
         if job is None:
             return
         job.pending -= count
@@ -488,6 +511,17 @@ class ConnectorScheduler:
             if st.finished and not st.jobs:
                 self._forget(job.req_id)
 
+    def _fence_reported(self, job_id: int, count: int) -> None:
+        due = self._reset_fence.get(job_id)
+        if due is None:
+            return
+        if due > count:
+            self._reset_fence[job_id] = due - count
+            return
+        del self._reset_fence[job_id]
+        if not self._reset_fence:
+            log.info("every device job a cache reset flushed was reported")
+
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """GPU blocks are freed at once: pending stores are flushed if they get reused."""
         st = self._reqs.get(request.request_id)
@@ -499,6 +533,7 @@ class ConnectorScheduler:
         threaded = self._threaded
         return bool(
             self._jobs
+            or self._reset_fence
             or self._deferred
             or self.ledger.has_pending_work()
             or (threaded is not None and threaded.has_pending_work())
@@ -507,16 +542,16 @@ class ConnectorScheduler:
     def take_events(self) -> list[OffloadingEvent]:
         return self.ledger.take_events()
 
-    def reset_cache(self) -> set[int]:
-        """Drain the tiers, forget in-flight device jobs (the workers are told to flush
-        them), clear the CPU tier; returns the device jobs to flush."""
-        threaded = self._threaded
-        if threaded is not None:
-            while self.ledger.outstanding() or self._deferred:
-                self._submit_tier_work()
-                threaded.drain(self.config.wait_timeout_s)
-                self._drain_tier_results()
+    def reset_cache(self) -> set[int] | None:
+        """Flush the tier jobs, forget the device jobs in flight (the workers are told to
+        flush them; a fence waits for their reports), clear the CPU tier; returns the
+        device jobs to flush, or None when a tier job could not be made to end in time
+        (nothing was reset then)."""
+        if not self._flush_tier_work():
+            return None
         flushed = set(self._jobs)
+        for job_id, job in self._jobs.items():
+            self._reset_fence[job_id] = job.pending
         self._jobs.clear()
         self._block_jobs.clear()
         self._stale_below = next(self._job_ids)
@@ -529,6 +564,38 @@ class ConnectorScheduler:
         for req_id in [r for r, st in self._reqs.items() if st.finished]:
             self._forget(req_id)
         return flushed
+
+    def _flush_tier_work(self) -> bool:
+        """End every tier job (see the module docstring); False if some are still running."""
+        threaded = self._threaded
+        if threaded is None:
+            return True
+        timeout = self.config.wait_timeout_s
+        deadline = time.monotonic() + timeout
+        self._drain_tier_results()
+        while self._deferred or self.ledger.has_pending_work():
+            self._take_tier_work()
+            jobs = [job for job, _ in self._tier_jobs.values()]
+            if not jobs:
+                break
+            left = max(0.0, deadline - time.monotonic())
+            abandoned = threaded.flush(jobs, left, grace_s=min(1.0, timeout))
+            self._drain_tier_results()
+            if not abandoned:
+                continue
+            running = [
+                self._tier_jobs[job.job_id][1] for job in abandoned if job.job_id in self._tier_jobs
+            ]
+            log.warning(
+                "reset_cache: tier jobs abandoned at the deadline",
+                jobs=len(abandoned),
+                still_running=[(t.kind.value, t.tier, len(t.keys)) for t in running],
+                timeout_s=timeout,
+            )
+            if running:
+                log.warning("reset_cache refused: tier jobs still touch the CPU tier")
+                return False
+        return True
 
     def shutdown(self) -> None:
         if self._threaded is not None:
