@@ -1206,9 +1206,9 @@ class VllmHarness:
         fake = self.fake_offloading_worker
         if fake is not None and fake.pending():
             problems.append(f"{fake.pending()} offloading jobs not reported")
-        held = [out for out in self.model.held_outputs if not _is_empty(out)]
-        if held:
-            problems.append(f"{len(held)} worker outputs with reports held back")
+        unsent = sum(not _is_empty(out) for out in self.model.held_outputs)
+        if unsent:
+            problems.append(f"{unsent} worker outputs with reports held back")
         return problems
 
     def assert_no_leaks(self) -> None:

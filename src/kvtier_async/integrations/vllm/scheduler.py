@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,13 +128,31 @@ class ConnectorScheduler:
         self._reset_fence: dict[int, int] = {}  # device job flushed by a reset -> reports due
         self._deferred: list[Job] = []
         self._region: SharedRegion | None = None
-        self._threaded: ThreadedEngine | None = None
-        if tiers:
-            self._start_tiers(tiers)
+        self._threaded: ThreadedEngine | None = self._start_engine(tiers)
 
     # --- the tier engine --------------------------------------------------------------
 
-    def _start_tiers(self, tiers: list[SecondaryTier]) -> None:
+    def _start_engine(self, tiers: list[SecondaryTier]) -> ThreadedEngine:
+        """The tier engine on its loop thread; started even with no tier (one code path:
+        idle, it is a thread parked on a socket, and the per-step cost of driving it is
+        measured whatever the configuration)."""
+        layout = self.layout
+        block_view = self._block_view() if tiers else _no_block_view
+
+        def make() -> Engine:
+            return Engine(tiers, block_view, queue_depth=self.config.queue_depth)
+
+        threaded = ThreadedEngine(make).__enter__()
+        log.info(
+            "kvtier connector engine started",
+            tiers=[t.name for t in tiers],
+            slots=layout.num_slots,
+            instance=layout.instance_id,
+        )
+        return threaded
+
+    def _block_view(self) -> Callable[[int], memoryview]:
+        """Slot memory for the tiers: the CPU region, every worker's row of a slot."""
         layout = self.layout
         self._region = SharedRegion(
             layout.instance_id,
@@ -151,16 +169,7 @@ class ConnectorScheduler:
         def block_view(slot: int) -> memoryview:
             return rows[slot * span : (slot + 1) * span]
 
-        def make() -> Engine:
-            return Engine(tiers, block_view, queue_depth=self.config.queue_depth)
-
-        self._threaded = ThreadedEngine(make).__enter__()
-        log.info(
-            "kvtier connector tiers started",
-            tiers=[t.name for t in tiers],
-            slots=layout.num_slots,
-            instance=layout.instance_id,
-        )
+        return block_view
 
     def _drain_tier_results(self) -> None:
         threaded = self._threaded
@@ -604,6 +613,10 @@ class ConnectorScheduler:
         region, self._region = self._region, None
         if region is not None:
             close_region(region)
+
+
+def _no_block_view(slot: int) -> memoryview:
+    raise RuntimeError("no secondary tier: no slot memory is needed")
 
 
 def _aborted(req: Any) -> bool:
