@@ -38,11 +38,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvtier_async._log import get_logger
 from kvtier_async.engine import Deferred, Engine, Job, ThreadedEngine
 from kvtier_async.ledger import (
     CPUSpec,
     GPUSpec,
+    JobKind,
     LookupResult,
     OffloadingEvent,
     PrimaryLedger,
@@ -124,7 +127,8 @@ class ConnectorScheduler:
         self._block_jobs: dict[int, set[int]] = {}  # GPU block -> store jobs reading it
         self._step_loads: dict[int, DeviceJob] = {}
         self._step_allocated: set[int] = set()
-        self._tier_jobs: dict[int, tuple[Job, TierTask]] = {}  # engine job id -> its task
+        # engine job id -> the job and the ledger tasks it carries, in key order
+        self._tier_jobs: dict[int, tuple[Job, list[TierTask]]] = {}
         self._reset_fence: dict[int, int] = {}  # device job flushed by a reset -> reports due
         self._deferred: list[Job] = []
         self._region: SharedRegion | None = None
@@ -173,15 +177,20 @@ class ConnectorScheduler:
 
     def _drain_tier_results(self) -> None:
         threaded = self._threaded
-        if threaded is None:
+        if threaded is None or not self._tier_jobs:  # nothing out: nothing can come back
             return
         for item in threaded.poll():
             if isinstance(item, Deferred):
                 self._deferred.append(item.job)
                 continue
             entry = self._tier_jobs.pop(item.job_id, None)
-            if entry is not None:
-                self.ledger.apply(entry[1].task_id, item.ok)
+            if entry is None:
+                continue
+            start = 0
+            for task in entry[1]:
+                end = start + len(task.keys)
+                self.ledger.apply(task.task_id, item.ok[start:end])
+                start = end
 
     def _submit_tier_work(self) -> None:
         threaded = self._threaded
@@ -191,11 +200,18 @@ class ConnectorScheduler:
         threaded.wake()
 
     def _take_tier_work(self) -> list[Job]:
-        """The deferred tier jobs, and a job for each task the ledger decided since."""
+        """The deferred tier jobs, and the tasks the ledger decided since: one job per
+        (kind, tier) carrying all of them, so that the loop thread handles a few jobs per
+        step, not one per request (a batch's blocks still move in parallel in the tier)."""
         jobs, self._deferred = self._deferred, []
+        batches: dict[tuple[JobKind, int], list[TierTask]] = {}
         for task in self.ledger.take_tasks():
-            job = Job(task.kind, task.keys, task.slot_ids, tier=task.tier)
-            self._tier_jobs[job.job_id] = (job, task)
+            batches.setdefault((task.kind, task.tier), []).append(task)
+        for (kind, tier), tasks in batches.items():
+            keys = tasks[0].keys if len(tasks) == 1 else tuple(k for t in tasks for k in t.keys)
+            slots = np.concatenate([t.slot_ids for t in tasks])
+            job = Job(kind, keys, slots, tier=tier)
+            self._tier_jobs[job.job_id] = (job, tasks)
             jobs.append(job)
         return jobs
 
@@ -258,12 +274,22 @@ class ConnectorScheduler:
         """Leading fully-hit offloaded blocks in [first, last), and whether any key before
         the first miss has no answer yet (it was queued for a batched lookup)."""
         hits, pending, req_id = 0, False, st.req.request_id
-        lookup = self.ledger.lookup
+        lookup, hit, miss = self.ledger.lookup, LookupResult.HIT, LookupResult.MISS
+        if len(st.keys) == 1:  # the common case: one KV-cache group, no list per block
+            for key in st.keys[0][first:last]:
+                result = lookup(key, req_id)
+                if result is miss:
+                    break
+                if result is hit:
+                    hits += not pending
+                else:
+                    pending = True
+            return hits, pending
         for c in range(first, last):
             results = [lookup(keys[c], req_id) for keys in st.keys]
-            if LookupResult.MISS in results:
+            if miss in results:
                 break
-            if all(r is LookupResult.HIT for r in results):
+            if all(r is hit for r in results):
                 hits += not pending
             else:
                 pending = True
@@ -280,8 +306,9 @@ class ConnectorScheduler:
     # --- loads ------------------------------------------------------------------------
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        for group_blocks in blocks.blocks:
-            self._step_allocated.update(b.block_id for b in group_blocks if b.block_id)
+        """Pair the hit keys with the GPU blocks vLLM allocated. The blocks a load writes
+        count as handed on this step (stores reading them are flushed); the request's other
+        blocks are marked by ``build_connector_meta`` when vLLM schedules it."""
         if num_external_tokens == 0:
             return
         st = self._state(request)
@@ -301,6 +328,7 @@ class ConnectorScheduler:
             [end_gpu - first_gpu] * len(layout.groups),
             [first_gpu % layout.factor] * len(layout.groups),
         )
+        self._step_allocated.update(ids)
         job_id = self._new_job(st, keys, is_store=False, blocks=ids)
         self._step_loads[job_id] = DeviceJob(request.request_id, spec, CPUSpec.of(slots), False)
         if self.ledger.store_policy is StorePolicy.BLOCK_LEVEL:
@@ -387,7 +415,8 @@ class ConnectorScheduler:
                 st.block_ids[g] = list(groups[group])
             else:
                 st.block_ids[g].extend(groups[group])
-            self._step_allocated.update(b for b in groups[group] if b)
+            self._step_allocated.update(groups[group])
+        self._step_allocated.discard(0)  # the null block: never handed to a request
 
     def _jobs_to_flush(self, out: Any) -> set[int]:
         """In-flight stores of preempted requests, and stores reading a GPU block that this
@@ -397,8 +426,10 @@ class ConnectorScheduler:
             st = self._reqs.get(req_id)
             if st is not None:
                 flush |= {j for j in st.jobs if self._jobs[j].is_store}
-        for block in self._step_allocated:
-            flush |= self._block_jobs.get(block, set())
+        block_jobs = self._block_jobs
+        if block_jobs:
+            for block in self._step_allocated & block_jobs.keys():
+                flush |= block_jobs[block]
         return flush
 
     def _build_store(self, st: _Request, num_scheduled: int, stores: dict[int, DeviceJob]) -> None:
@@ -418,11 +449,13 @@ class ConnectorScheduler:
             min(len(keys) for keys in st.keys),
         )
         offer: list[bytes] = []
+        where: list[tuple[int, int]] = []  # (group, offloaded block) of each offered key
         for g in range(len(layout.groups)):
             for c in range(st.cursor[g], chunks):
                 ids = st.block_ids[g][c * layout.factor : (c + 1) * layout.factor]
                 if all(ids):  # a block id 0 is a hole (sliding window): unreachable
                     offer.append(st.keys[g][c])
+                    where.append((g, c))
         if not offer:
             st.cursor = [max(c, chunks) for c in st.cursor]
             self._maybe_settle(st)
@@ -437,7 +470,8 @@ class ConnectorScheduler:
             return
         st.cursor = [max(c, chunks) for c in st.cursor]
         if out.keys_to_store:
-            self._add_store(st, out.keys_to_store, out.store_spec, stores)
+            position = dict(zip(offer, where))
+            self._add_store(st, out.keys_to_store, position, out.store_spec, stores)
         self._maybe_settle(st)
 
     def _maybe_settle(self, st: _Request) -> None:
@@ -452,12 +486,14 @@ class ConnectorScheduler:
             self._settled.add(req.request_id)
 
     def _add_store(
-        self, st: _Request, keys: list[bytes], cpu: CPUSpec, stores: dict[int, DeviceJob]
+        self,
+        st: _Request,
+        keys: list[bytes],
+        position: dict[bytes, tuple[int, int]],
+        cpu: CPUSpec,
+        stores: dict[int, DeviceJob],
     ) -> None:
         layout = self.layout
-        position = {
-            key: (g, c) for g, group_keys in enumerate(st.keys) for c, key in enumerate(group_keys)
-        }
         ids: list[int] = []
         sizes = [0] * len(layout.groups)
         for key in keys:  # keys_to_store keeps the offered order: group by group
@@ -593,7 +629,10 @@ class ConnectorScheduler:
             if not abandoned:
                 continue
             running = [
-                self._tier_jobs[job.job_id][1] for job in abandoned if job.job_id in self._tier_jobs
+                task
+                for job in abandoned
+                if job.job_id in self._tier_jobs
+                for task in self._tier_jobs[job.job_id][1]
             ]
             log.warning(
                 "reset_cache: tier jobs abandoned at the deadline",
