@@ -34,6 +34,9 @@ later; the CPU tier holds half of the trace's distinct prompt blocks, so it evic
 Requests thus mix GPU-local hits, external hits (CPU tier or, with ``fs``, promoted from the
 files) and misses; the mix is printed per run.
 
+The fake model's torch operations run on one thread (restored afterwards): torch's
+intra-op pool keeps its threads spinning after each operation, and on a small machine they
+took the CPU from the timed scheduler code, for every connector alike (noise, not cost).
 The configurations alternate within each repetition (rotating who goes first). Other load
 on the machine only ever adds time, so a mean step time keeps each step's best time over the
 `REPEATS` repetitions (the step sequence repeats exactly; otherwise the best repetition's
@@ -177,7 +180,22 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
         f"{trace.unique_prompt_blocks} distinct prompt blocks, GPU {GPU_BLOCKS} blocks, "
         f"CPU tier {trace.cpu_blocks} blocks ({trace.cpu_blocks * BLOCK_BYTES} bytes)"
     )
-    _one(sim, sides[0], _trace_slice(trace, 20))  # warm vLLM's lazy imports up, untimed
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _one(sim, sides[0], _trace_slice(trace, 20))  # warm vLLM's lazy imports up, untimed
+        runs = _repetitions(sim, sides, trace, repeats, say)
+    finally:
+        torch.set_num_threads(threads)
+    _check_outputs(runs)
+    return _records(runs, quick, say)
+
+
+def _repetitions(
+    sim: Any, sides: list[_Side], trace: SchedTrace, repeats: int, say: Callable[[str], None]
+) -> dict[str, list[_Run]]:
     runs: dict[str, list[_Run]] = {side.name: [] for side in sides}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-sched-") as root:
         for rep in range(repeats):
@@ -187,8 +205,7 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
                 result = _one(sim, side, trace, root)
                 runs[side.name].append(result)
                 say(f"sched: {side.name}: {_mix(result, trace)}")
-    _check_outputs(runs)
-    return _records(runs, quick, say)
+    return runs
 
 
 def _sides(trace: SchedTrace, ours: str | None) -> list[_Side]:
