@@ -5,7 +5,9 @@ vLLM's scheduler thread owns the ledger and must never wait on I/O. It hands job
 releases a `threading.Lock` that a worker thread of the loop waits on (``to_thread``, so any
 anyio backend works). The pump task in the loop then queues the jobs with ``submit_nowait``.
 A full queue answers "not now": the job comes back from `poll` as `Deferred` and the owner
-offers it again next step.
+offers it again next step. Every job's result lands in a thread-safe outbox that the owner
+drains with `poll` at the points of its step where it applies results. Only `flush`,
+`drain` and `close` block.
 
 *Why a lock, not a socket.* Releasing a lock does not release the GIL; a ``send`` on a
 socket (any system call made through Python) does, and the loop thread, woken by that very
@@ -13,9 +15,7 @@ byte, takes the GIL and runs its whole burst (taking the inbox, starting the job
 owner waits to get it back: measured in the sched benchmark, about 0.6 ms of vLLM's
 ``schedule()`` per step with an fs tier. With the bell the loop runs when the owner next
 gives the GIL up, which vLLM's engine core does right after scheduling, while it waits for
-the model.
-Every job's result lands in a thread-safe outbox that the owner drains with `poll` at the
-points of its step where it applies results. Only `flush`, `drain` and `close` block.
+the model (a busy owner gives it up at the interpreter's switch interval at the latest).
 
 *Flushes.* Some jobs must end before the owner goes on (a store reading GPU blocks that the
 next forward pass overwrites; every tier job before a cache reset frees the slots they
@@ -254,15 +254,15 @@ class ThreadedEngine:
                 for job in jobs:
                     if job.job_id not in self._accepted:
                         await self._submit_waiting(engine, job)
-                for job in jobs:
-                    await _ended(self._accepted.get(job.job_id))
+                for job in jobs:  # each one has a handle now
+                    await _ended(self._accepted[job.job_id])
         finally:
             self._flushing = {}
         abandoned = self._abandon(jobs)
         if abandoned and grace_s > 0:
             with anyio.move_on_after(grace_s):
                 for job in abandoned:
-                    await _ended(self._accepted.get(job.job_id))
+                    await _ended(self._accepted[job.job_id])
         return abandoned
 
     def _drop_deferrals(self, wanted: dict[int, Job]) -> None:
@@ -299,8 +299,8 @@ class ThreadedEngine:
         return abandoned
 
 
-async def _ended(handle: JobHandle | None) -> None:
-    """Wait until the job of ``handle`` ended, however (None: it ended before it started)."""
-    if handle is not None and not handle.done():
+async def _ended(handle: JobHandle) -> None:
+    """Wait until the job of ``handle`` ended, however."""
+    if not handle.done():
         with contextlib.suppress(JobError):
             await handle.wait()

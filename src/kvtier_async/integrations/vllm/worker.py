@@ -140,7 +140,8 @@ class ConnectorWorker:
         deferred = self._deferred_stores
         for job_id in [j for j in deferred if j in flush]:
             self._engine_job(job_id, deferred.pop(job_id))
-        jobs = [job for job_id, job in self._engine_jobs.items() if job_id in flush]
+        in_flight = self._engine_jobs
+        jobs = [in_flight[job_id] for job_id in flush if job_id in in_flight]
         if not jobs:
             return
         flushed = {job.job_id for job in jobs}
