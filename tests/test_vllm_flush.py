@@ -59,7 +59,10 @@ def tiers(moto_s3: Any, s3_bucket: str, tmp_path: Path) -> list[dict[str, Any]]:
     return [
         {"type": "memory", "name": "slow", "latency_s": 0.003},
         {"type": "fs", "root_dir": str(tmp_path / "kv")},
-        moto_s3.tier_config(s3_bucket),
+        # Generous deadlines: moto shares this process (and its GIL) with the scheduler and
+        # the fake model, and on a loaded machine a 1 s lookup can time out and open the
+        # breaker; this test is about stale bytes, not about a slow endpoint.
+        {**moto_s3.tier_config(s3_bucket), "timeout_s": 30.0, "lookup_timeout_s": 10.0},
     ]
 
 
