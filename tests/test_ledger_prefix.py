@@ -137,6 +137,25 @@ def test_shared_keys_go_leaf_first() -> None:
     assert out is not None and out.evicted_keys == ks(3, 2)  # the shared head's tail first
 
 
+def test_an_ancestor_never_ranks_below_its_descendants() -> None:
+    ledger, policy = prefix_ledger(6)
+    request(ledger, [1, 2, 3, 4], "a")
+    request(ledger, [1, 2, 3, 5], "b")  # S: 1, 2, 3 (count 2); P: 4, 5
+    ledger.touch(ks(2, 3))
+    ledger.touch(ks(2, 3))  # 2 and 3: count 4
+    # with everything else pinned (for a copy: no reuse), two new keys evict the head alone
+    ledger.prepare_load(ks(2, 3, 4, 5), record=False)
+    out = ledger.prepare_store(ks(6, 7))
+    assert out is not None and out.evicted_keys == ks(1)
+    ledger.complete_store(out.keys_to_store)
+    ledger.complete_load(ks(2, 3, 4, 5))
+    # the head is stored again (count 2 + 1 from its ghost) under 2 and 3 (count 5): it
+    # takes their score, and their tail goes first again
+    request(ledger, [1, 2, 3], "c")
+    assert policy._score[k(1)] == policy._score[k(2)] == pytest.approx(math.log2(5))
+    assert policy.shared_keys == ks(3, 2, 1)
+
+
 def test_the_lowest_count_goes_first_and_its_ghost_keeps_the_count() -> None:
     ledger, policy = prefix_ledger(8)
     # head A (1, 2): forked, then reused by three more requests; head B (5, 6): forked once
