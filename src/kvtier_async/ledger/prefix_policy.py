@@ -290,7 +290,7 @@ class PrefixPolicy(CachePolicy):
                 continue
             if key in reused and old - epoch < cap:
                 new = epoch + log2(2.0 ** (old - epoch) + 1.0)
-            elif old >= floor:  # the usual case at the cap: it stays where it is
+            elif old >= floor:  # at its cap, or not reused: it stays where it is
                 floor = old
                 continue
             else:
@@ -299,12 +299,19 @@ class PrefixPolicy(CachePolicy):
                 new = floor
             else:
                 floor = new
-            level = new * per_octave // 1.0
-            if level == old * per_octave // 1.0:  # same bucket
-                score[key] = new
+            score[key] = new
+            level, old_level = new * per_octave // 1.0, old * per_octave // 1.0
+            if level == old_level:
                 buckets[level].move_to_end(key)
-            else:
-                self._place(key, new, old)
+                continue
+            bucket = buckets[old_level]
+            del bucket[key]
+            if not bucket:
+                del buckets[old_level]
+            moved_to = buckets.get(level)
+            if moved_to is None:
+                moved_to = buckets[level] = OrderedDict()
+            moved_to[key] = None
 
     def evict(self, n: int, protected: Collection[bytes]) -> list[bytes] | None:
         if n <= 0:
