@@ -274,8 +274,7 @@ class PrefixPolicy(CachePolicy):
         per_octave, epoch, log2 = self._per_octave, float(self._epoch), math.log2
         cap = self.max_octaves
         floor = -1.0  # the highest score below, in this request
-        for index in range(last, -1, -1):
-            key = order[index]
+        for key in reversed(order[: last + 1]):
             old = score.get(key)
             if old is None:
                 if key not in private:
@@ -288,13 +287,13 @@ class PrefixPolicy(CachePolicy):
                 floor = new
                 self._place(key, new)
                 continue
-            if key in reused and old - epoch < cap:
-                new = epoch + log2(2.0 ** (old - epoch) + 1.0)
-            elif old >= floor:  # at its cap, or not reused: it stays where it is
-                floor = old
-                continue
-            else:
+            if old - epoch >= cap or key not in reused:
+                if old >= floor:  # at its cap, or not reused: it stays where it is
+                    floor = old
+                    continue
                 new = old
+            else:
+                new = epoch + log2(2.0 ** (old - epoch) + 1.0)
             if new < floor:
                 new = floor
             else:
