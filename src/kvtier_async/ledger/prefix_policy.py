@@ -24,7 +24,7 @@ above it become shared (an ancestor of a shared key is shared: both requests pas
 it). A chat turn continues exactly where the previous turn stopped, so a session's keys never
 fork and stay private however many turns reuse them; the system prompt above them forks into
 every session and is shared. Keys come in private and move to S only on that evidence, which
-a request leaves when it finishes.
+a request leaves when it finishes (or come back to S from S's ghost list).
 
 *Counts.* A shared key counts one per request that reuses it, and one when it is stored again
 after an eviction while its ghost remembers its count (history, as in LFU with history and
@@ -34,7 +34,8 @@ sinks) and stop at ``2 ** max_octaves`` per epoch (TinyLFU's small counters: a h
 no more, and loses its lead within a few epochs once it cools). The halving is not a pass over
 the keys: a key keeps ``score = log2(sum of 2**epoch over its counted accesses)``, which
 orders keys exactly as halving every count at each epoch would, at O(1) per access. S groups
-keys by ``floor(score * levels_per_octave)``, each group an LRU list.
+keys by ``floor(score * levels_per_octave)``, each group in recency order (a key at its cap
+keeps its place: the hottest group is the last to give a victim anyway).
 
 *Leaves before ancestors* (the rule of SGLang's radix cache). A request's keys are refreshed
 tail first, so in P a head is more recent than its tail; in S a key's score is raised to at
@@ -57,6 +58,14 @@ rest (forks, sharing, counts, order) in one walk of the request's keys, tail fir
 Costs: O(1) per key a call names; a finish walks the request's keys once, and a key of S
 whose count is at its cap costs a lookup; eviction walks P from its cold end and S's levels
 in order (a few dozen), O(victims + skipped).
+
+Taken from: ARC (Megiddo & Modha; vLLM's ``ARCCachePolicy``) for the lists, ghosts and
+adaptive target, split by sharing instead of reuse (by reuse, every block of a long chat is
+"frequent"); LFU with history and TinyLFU's capped, halved counters, only where frequency
+predicts; SGLang's radix cache for leaves first, without its heap over the leaves (refresh
+order and a score floor give it at O(1)); S3-FIFO's lesson that most new blocks are never read
+again (new keys start in P, the list that gives victims first). LMCache's policies (LRU, LFU,
+FIFO, MRU, S3-FIFO, cost-aware) rank chunks one by one, blind to their prefix.
 """
 
 from __future__ import annotations
