@@ -111,8 +111,12 @@ def test_capacity_four_evicts_oldest() -> None:
     verify_counts(ledger)
 
 
-def test_prepare_store_fails_atomically() -> None:
-    ledger = PrimaryLedger(4)
+POLICIES = ["lru", "arc", "prefix"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_prepare_store_fails_atomically(policy: str) -> None:
+    ledger = PrimaryLedger(4, policy=policy)
     # store [1, 2, 3] and pin 1, 2
     store(ledger, [1, 2, 3])
     ledger.prepare_load(ks(1, 2))
@@ -124,8 +128,9 @@ def test_prepare_store_fails_atomically() -> None:
     assert ledger.take_events() == []
 
 
-def test_prepare_store_never_evicts_its_own_batch() -> None:
-    ledger = PrimaryLedger(2)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_prepare_store_never_evicts_its_own_batch(policy: str) -> None:
+    ledger = PrimaryLedger(2, policy=policy)
     store(ledger, [1, 2])
     # [1, 3]: one deficit, but 1 is in the batch and 2 is the only candidate
     out = ledger.prepare_store(ks(1, 3))
@@ -135,8 +140,9 @@ def test_prepare_store_never_evicts_its_own_batch() -> None:
     assert out2 is None  # 1 is protected, 3 is being written
 
 
-def test_writing_and_pinned_are_not_evicted() -> None:
-    ledger = PrimaryLedger(2)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_writing_and_pinned_are_not_evicted(policy: str) -> None:
+    ledger = PrimaryLedger(2, policy=policy)
     ledger.prepare_store(ks(1))  # 1 writing
     store(ledger, [2])
     ledger.prepare_load(ks(2))  # 2 pinned
@@ -145,8 +151,9 @@ def test_writing_and_pinned_are_not_evicted() -> None:
     assert store(ledger, [3]) == [2]
 
 
-def test_failed_store_frees_only_unreadable_slots() -> None:
-    ledger = PrimaryLedger(4)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_failed_store_frees_only_unreadable_slots(policy: str) -> None:
+    ledger = PrimaryLedger(4, policy=policy)
     store(ledger, [1])
     out = ledger.prepare_store(ks(1, 2, 3))
     assert out is not None
@@ -211,8 +218,9 @@ def test_duplicate_keys_in_a_store_batch() -> None:
     assert out is not None and out.keys_to_store == ks(1, 2)
 
 
-def test_reset_clears_and_reports() -> None:
-    ledger = PrimaryLedger(4)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_reset_clears_and_reports(policy: str) -> None:
+    ledger = PrimaryLedger(4, policy=policy)
     store(ledger, [1, 2])
     ledger.prepare_load(ks(1))
     ledger.take_events()

@@ -15,6 +15,7 @@ from kvtier_async.ledger import (
     PrimaryLedger,
     make_offload_key,
 )
+from kvtier_async.ledger.prefix_policy import PrefixPolicy
 
 KEYS = [make_offload_key(i.to_bytes(4, "big"), i % 2) for i in range(12)]
 key_lists = st.lists(st.sampled_from(KEYS), max_size=6)
@@ -201,7 +202,56 @@ class ARCLedgerMachine(LedgerMachine):
         assert not (set(policy.b1) | set(policy.b2)) & held  # type: ignore[attr-defined]
 
 
+class PrefixLedgerMachine(LedgerMachine):
+    policy = "prefix"
+
+    def policy_state(self) -> tuple[object, ...]:
+        policy = self.ledger.policy
+        assert isinstance(policy, PrefixPolicy)
+        return (
+            policy.private_keys,
+            policy.shared_keys,
+            dict(policy._score),
+            dict(policy._next),
+            list(policy._ghost_private.items()),
+            list(policy._ghost_shared.items()),
+            policy.target_private,
+        )
+
+    @rule(n=st.integers(1, 6), protected=key_lists)
+    def refused_eviction_changes_nothing(self, n: int, protected: list[bytes]) -> None:
+        led = self.ledger
+        held = led.keys()
+        candidates = [key for key in held if led.ref_count(key) == 0 and key not in protected]
+        if n <= len(candidates):
+            return
+        before = (self.snapshot(), self.policy_state())
+        assert led.policy.evict(n, set(protected)) is None
+        assert (self.snapshot(), self.policy_state()) == before
+
+    @invariant()
+    def prefix_lists_partition_the_cache(self) -> None:
+        policy = self.ledger.policy
+        assert isinstance(policy, PrefixPolicy)
+        held = set(self.ledger.keys())
+        private, shared = policy.private_keys, policy.shared_keys
+        assert set(private) | set(shared) == held and not set(private) & set(shared)
+        assert len(private) + len(shared) == len(held)  # each key once
+        assert set(policy._score) == set(shared)
+        for level, bucket in policy._buckets.items():
+            assert bucket  # no empty level
+            for key in bucket:
+                assert policy._score[key] * policy.levels_per_octave // 1.0 == level
+        assert set(policy._next) <= set(private)
+        ghosts = (set(policy._ghost_private), set(policy._ghost_shared))
+        assert not ghosts[0] & ghosts[1] and not (ghosts[0] | ghosts[1]) & held
+        assert len(ghosts[0]) <= 5 and len(ghosts[1]) <= 5
+        assert 0.0 <= policy.target_private <= 5.0
+
+
 TestLRULedger = LedgerMachine.TestCase
 TestLRULedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestARCLedger = ARCLedgerMachine.TestCase
 TestARCLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPrefixLedger = PrefixLedgerMachine.TestCase
+TestPrefixLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

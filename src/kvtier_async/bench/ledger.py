@@ -15,15 +15,29 @@ Operations are the ledger calls the trace makes (one per lookup, load, unload, t
 store, store completion, request finish), counted alike on both sides. Each repetition runs
 ours and vLLM's back to back (alternating which goes first) on fresh ledgers; the best
 repetition of each counts. ``hit_rate`` must be the same on both sides: same decisions.
+
+The ``prefix`` policy is not vLLM's, so its reference is vLLM's ARC: the ``prefix`` case
+runs it on the main trace beside vLLM's ARC (ops/s, and a hit rate at least ARC's). Its
+hit rate is then swept over three seeded traces, each at 10%, 25% and 50% of its unique
+blocks: ``docs`` (the main trace), ``docmix`` (Zipf 0.8, documents of 16-1024 blocks,
+log-uniform) and ``chat`` (multi-turn sessions, each turn's prompt the previous prompt plus
+a reply and a new message, 128 sessions interleaved, four shared system prompts). Per case:
+prefix against vLLM's ARC (target: never below), our LRU (vLLM's LRU decisions) for scale,
+and Belady's offline optimum (it knows the future) as the ceiling; then the mean of
+prefix's ratios over the cases (target 1.1). The hit rate is the bench's throughout: per
+request, the leading keys that are readable until the first miss.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import heapq
 import importlib
 import random
+import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,17 +46,22 @@ from kvtier_async.ledger import LookupResult, PrimaryLedger, make_offload_key
 
 from .report import BenchRecord, throughput_record
 
-__all__ = ["Trace", "make_trace", "run"]
+__all__ = ["Trace", "belady_hit_rate", "make_chat_trace", "make_docmix_trace", "make_trace", "run"]
 
 BLOCK_TOKENS = 16
 VLLM_NAME = "vllm-0.33 CPUOffloadingManager"
-TARGETS = {"lru": 5.0, "arc": 2.0}  # ops/s against vLLM, per policy
+VLLM_ARC_NAME = "vllm-0.33 CPUOffloadingManager, arc"
+TARGETS = {"lru": 5.0, "arc": 2.0, "prefix": 2.0}  # ops/s against vLLM (prefix: its ARC)
 CASES = {  # case -> (policy, touch the hits)
     "lru": ("lru", False),
     "arc": ("arc", False),
     "lru-touch": ("lru", True),
     "arc-touch": ("arc", True),
 }
+
+
+SWEEP_FRACTIONS = (0.10, 0.25, 0.50)  # of a trace's unique blocks
+SWEEP_TARGET = 1.1  # prefix's mean hit-rate ratio to vLLM's ARC over the sweep
 
 
 @dataclass(frozen=True)
@@ -52,24 +71,93 @@ class Trace:
 
     @property
     def capacity(self) -> int:
-        return max(1, self.unique_blocks // 4)
+        return self.capacity_at(0.25)
+
+    def capacity_at(self, fraction: float) -> int:
+        """Slots for ``fraction`` of the unique blocks."""
+        return max(1, int(self.unique_blocks * fraction))
+
+    @classmethod
+    def of(cls, requests: list[list[bytes]]) -> Trace:
+        return cls(requests, len({key for keys in requests for key in keys}))
 
 
 def make_trace(
     num_docs: int = 300, num_requests: int = 4000, seed: int = 0, zipf_s: float = 1.1
 ) -> Trace:
-    """The seeded trace; block keys chain like vLLM's prefix hashes."""
+    """The main trace (``docs``); block keys chain like vLLM's prefix hashes."""
     rng = random.Random(seed)
     docs = [_chain(f"doc{d}", rng.randint(32, 256)) for d in range(num_docs)]
-    weights = [1.0 / (rank + 1) ** zipf_s for rank in range(num_docs)]
+    return _doc_requests(rng, docs, num_requests, zipf_s, "req")
+
+
+def make_docmix_trace(
+    num_docs: int = 300, num_requests: int = 4000, seed: int = 1, zipf_s: float = 0.8
+) -> Trace:
+    """``docmix``: flatter popularity, documents of 16-1024 blocks (log-uniform)."""
+    rng = random.Random(seed)
+    docs = [_chain(f"mix{d}", round(16 * 64 ** rng.random())) for d in range(num_docs)]
+    return _doc_requests(rng, docs, num_requests, zipf_s, "mixreq")
+
+
+def _doc_requests(
+    rng: random.Random, docs: list[list[bytes]], num_requests: int, zipf_s: float, tag: str
+) -> Trace:
+    """Requests: a Zipf-popular document's prefix (half of it or more) + a unique suffix."""
+    weights = [1.0 / (rank + 1) ** zipf_s for rank in range(len(docs))]
     requests = []
     for r in range(num_requests):
-        doc = docs[rng.choices(range(num_docs), weights)[0]]
+        doc = docs[rng.choices(range(len(docs)), weights)[0]]
         prefix = doc[: rng.randint(len(doc) // 2, len(doc))]
-        suffix = _chain(f"req{r}", rng.randint(2, 16), parent=prefix[-1])
+        suffix = _chain(f"{tag}{r}", rng.randint(2, 16), parent=prefix[-1])
         requests.append(prefix + suffix)
-    unique = len({key for keys in requests for key in keys})
-    return Trace(requests, unique)
+    return Trace.of(requests)
+
+
+def make_chat_trace(
+    num_requests: int = 4000, seed: int = 2, sessions: int = 128, num_system: int = 4
+) -> Trace:
+    """``chat``: ``sessions`` multi-turn sessions interleaved (a request continues one at
+    random); a turn's prompt is the previous prompt + the reply (2-24 blocks) + a new message
+    (1-8 blocks); a session opens with one of ``num_system`` system prompts (8-64 blocks,
+    Zipf 1 popular) and a first message (1-32 blocks), lasts 1-24 turns (geometric, mean
+    about 7), and is replaced by a new one when it ends."""
+    rng = random.Random(seed)
+    systems = [_chain(f"sys{s}", rng.randint(8, 64)) for s in range(num_system)]
+    weights = [1.0 / (s + 1) for s in range(num_system)]
+    opened = 0
+
+    def open_session() -> tuple[list[bytes], int, int]:
+        nonlocal opened
+        opened += 1
+        system = systems[rng.choices(range(num_system), weights)[0]]
+        turns = 1
+        while turns < 24 and rng.random() > 1 / 7:
+            turns += 1
+        first = _chain(f"s{opened}m0", rng.randint(1, 32), parent=system[-1])
+        return system + first, turns, opened
+
+    live = [open_session() for _ in range(sessions)]
+    done = [0] * sessions
+    requests = []
+    for _ in range(num_requests):
+        i = rng.randrange(sessions)
+        prompt, turns, name = live[i]
+        requests.append(prompt)
+        done[i] += 1
+        if done[i] >= turns:
+            live[i], done[i] = open_session(), 0
+        else:
+            more = rng.randint(2, 24) + rng.randint(1, 8)
+            live[i] = (prompt + _chain(f"s{name}t{done[i]}", more, parent=prompt[-1]), turns, name)
+    return Trace.of(requests)
+
+
+SWEEP_TRACES: dict[str, Callable[[int], Trace]] = {
+    "docs": lambda n: make_trace(num_requests=n),
+    "docmix": lambda n: make_docmix_trace(num_requests=n),
+    "chat": lambda n: make_chat_trace(num_requests=n),
+}
 
 
 def _chain(name: str, n: int, parent: bytes = b"") -> list[bytes]:
@@ -206,9 +294,11 @@ def _vllm_available() -> bool:
 
 
 def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRecord]:
-    """Run the trace through our ledger and (when installed) vLLM's, per case."""
+    """Run the trace through our ledger and (when installed) vLLM's, per case; then the
+    prefix policy's hit-rate sweep."""
     say = progress or (lambda _msg: None)
-    trace = make_trace(num_requests=800 if quick else 4000)
+    num_requests = 800 if quick else 4000
+    trace = make_trace(num_requests=num_requests)
     repeats = 1 if quick else 3
     with_vllm = _vllm_available()
     say(
@@ -217,18 +307,138 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
     )
     records: list[BenchRecord] = []
     for case, (policy, touch) in CASES.items():
-        makers: list[Callable[[], _Driver]] = [
-            functools.partial(_Ours, policy, touch, trace.capacity)
-        ]
-        if with_vllm:
-            makers.append(functools.partial(_VLLM, policy, touch, trace.capacity, trace))
-        say(f"ledger: {case}: ours{' and vLLM, interleaved' if with_vllm else ''}")
-        results = _interleaved(makers, trace, repeats)
-        records += _records(case, TARGETS[policy], results[0], results[1] if with_vllm else None)
+        records += _policy_case(case, policy, touch, policy, trace, repeats, with_vllm, say)
+    records += _policy_case("prefix", "prefix", False, "arc", trace, repeats, with_vllm, say)
+    traces = {"docs": trace}
+    for name, make in SWEEP_TRACES.items():
+        traces.setdefault(name, make(num_requests))
+    return records + _sweep(traces, with_vllm, say)
+
+
+def _policy_case(
+    case: str,
+    policy: str,
+    touch: bool,
+    reference: str,
+    trace: Trace,
+    repeats: int,
+    with_vllm: bool,
+    say: Callable[[str], None],
+) -> list[BenchRecord]:
+    """Ours with ``policy`` against vLLM's manager with ``reference``, interleaved."""
+    makers: list[Callable[[], _Driver]] = [functools.partial(_Ours, policy, touch, trace.capacity)]
+    if with_vllm:
+        makers.append(functools.partial(_VLLM, reference, touch, trace.capacity, trace))
+    say(f"ledger: {case}: ours{' and vLLM, interleaved' if with_vllm else ''}")
+    results = _interleaved(makers, trace, repeats)
+    name = VLLM_NAME if reference == policy else VLLM_ARC_NAME
+    return _records(case, TARGETS[policy], results[0], results[1] if with_vllm else None, name)
+
+
+def _sweep(
+    traces: dict[str, Trace], with_vllm: bool, say: Callable[[str], None]
+) -> list[BenchRecord]:
+    """prefix's hit rate against vLLM's ARC per (trace, capacity), with our LRU and Belady's
+    optimum beside it, then the mean of prefix's ratios."""
+    records: list[BenchRecord] = []
+    ratios: list[float] = []
+    reference_name = VLLM_ARC_NAME if with_vllm else None
+    for name, trace in traces.items():
+        for fraction in SWEEP_FRACTIONS:
+            capacity = trace.capacity_at(fraction)
+            case = f"{name}@{fraction:.0%}"
+            say(f"ledger: sweep {case}: {len(trace.requests)} requests, capacity {capacity}")
+            arc = None
+            if with_vllm:
+                arc = _drive(_VLLM("arc", False, capacity, trace), trace).hit_rate
+            for policy in ("prefix", "lru"):
+                ours = _drive(_Ours(policy, False, capacity), trace).hit_rate
+                target = 1.0 if policy == "prefix" and arc is not None else None
+                records.append(_hit_rate(f"{policy}/{case}", ours, arc, reference_name, target))
+                if policy == "prefix" and arc is not None:
+                    ratios.append(ours / arc)
+            optimum = belady_hit_rate(trace, capacity)
+            records.append(_hit_rate(f"belady/{case}", optimum, arc, reference_name, None))
+    if ratios:
+        mean = statistics.fmean(ratios)
+        records.append(
+            throughput_record(
+                "ledger",
+                "prefix/sweep",
+                "hit_rate_ratio_mean",
+                mean,
+                reference=1.0,
+                reference_name=reference_name,
+                target=SWEEP_TARGET,
+                unit="x",
+            )
+        )
     return records
 
 
-def _records(case: str, ops_target: float, ours: _Result, ref: _Result | None) -> list[BenchRecord]:
+def _hit_rate(
+    case: str, ours: float, reference: float | None, name: str | None, target: float | None
+) -> BenchRecord:
+    return throughput_record(
+        "ledger", case, "hit_rate", ours, reference=reference, reference_name=name, target=target
+    )
+
+
+def belady_hit_rate(trace: Trace, capacity: int) -> float:
+    """The bench's hit rate when each eviction takes the key used again furthest in the
+    future (Belady's MIN, offline: it reads the whole trace), stores made as the bench makes
+    them (the keys after the first miss), a request's own keys never evicted for it."""
+    uses: defaultdict[bytes, list[int]] = defaultdict(list)
+    for index, keys in enumerate(trace.requests):
+        for key in keys:
+            uses[key].append(index)
+    never = len(trace.requests)
+    cursor: defaultdict[bytes, int] = defaultdict(int)
+
+    def next_use(key: bytes, now: int) -> int:
+        times, i = uses[key], cursor[key]
+        while i < len(times) and times[i] <= now:
+            i += 1
+        cursor[key] = i
+        return times[i] if i < len(times) else never
+
+    held: dict[bytes, int] = {}  # key -> its next use
+    heap: list[tuple[int, bytes]] = []  # (-next use, key), stale entries skipped
+    hits = total = 0
+    for now, keys in enumerate(trace.requests):
+        head = 0
+        while head < len(keys) and keys[head] in held:
+            head += 1
+        hits, total = hits + head, total + len(keys)
+        for key in keys:
+            if key in held:
+                held[key] = next_use(key, now)
+                heapq.heappush(heap, (-held[key], key))
+        new = [key for key in dict.fromkeys(keys) if key not in held]
+        if len(held) + len(new) > capacity:
+            mine, skipped = set(keys), []
+            while len(held) + len(new) > capacity and heap:
+                entry = heapq.heappop(heap)
+                key = entry[1]
+                if held.get(key) != -entry[0]:
+                    continue
+                if key in mine:
+                    skipped.append(entry)
+                else:
+                    del held[key]
+            for entry in skipped:
+                heapq.heappush(heap, entry)
+            if len(held) + len(new) > capacity:
+                continue  # no room: the bench's ledger refuses the store too
+        for key in new:
+            held[key] = next_use(key, now)
+            heapq.heappush(heap, (-held[key], key))
+    return hits / total if total else 0.0
+
+
+def _records(
+    case: str, ops_target: float, ours: _Result, ref: _Result | None, name: str = VLLM_NAME
+) -> list[BenchRecord]:
     def rec(metric: str, target: float | None, unit: str) -> BenchRecord:
         value: Any = getattr(ours, metric)
         reference = None if ref is None else getattr(ref, metric)
@@ -238,7 +448,7 @@ def _records(case: str, ops_target: float, ours: _Result, ref: _Result | None) -
             metric,
             value,
             reference=reference,
-            reference_name=None if ref is None else VLLM_NAME,
+            reference_name=None if ref is None else name,
             target=None if ref is None else target,
             unit=unit,
         )

@@ -1,4 +1,4 @@
-"""Eviction policies of the primary ledger: LRU, ARC, or your own by module path.
+"""Eviction policies of the primary ledger: LRU, ARC, prefix, or your own by module path.
 
 Theory of operation
 -------------------
@@ -37,6 +37,9 @@ B1/B2 capped at the capacity; a ghost hit on a store miss moves the target size 
 (B1: grow, B2: shrink); a finished request moves the ready keys it reused to T2's end and
 the keys it only inserted to the end of their list; a `touch` promotes ready T1 keys and
 adapts on ghosts.
+
+**prefix** is not vLLM's: it lives in `prefix_policy` (private chains by recency, shared
+prefixes by decayed frequency, ARC's adaptive split between the two) and takes the same calls.
 """
 
 from __future__ import annotations
@@ -528,11 +531,17 @@ class ARCPolicy(CachePolicy):
             order.clear()
 
 
-_BUILTIN: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+from .prefix_policy import PrefixPolicy  # noqa: E402 -- it builds on the classes above
+
+_BUILTIN: dict[str, type[CachePolicy]] = {
+    "lru": LRUPolicy,
+    "arc": ARCPolicy,
+    "prefix": PrefixPolicy,
+}
 
 
 def make_policy(name: str, capacity: int, table: SlotTable) -> CachePolicy:
-    """Build a policy by name (``lru``, ``arc``) or by ``package.module:ClassName``."""
+    """Build a policy by name (``lru``, ``arc``, ``prefix``) or by ``package.module:ClassName``."""
     cls = _BUILTIN.get(name)
     if cls is None:
         cls = _import_policy(name)

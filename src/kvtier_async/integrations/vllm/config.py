@@ -88,7 +88,7 @@ class ConnectorConfig:
             spec_name=spec,
             cpu_bytes_to_use=s.get_int("cpu_bytes_to_use", low=1),
             block_size=s.get_int("block_size", None, low=1),
-            eviction_policy=module if module and policy not in ("lru", "arc") else policy,
+            eviction_policy=module if module and policy not in ("lru", "arc", "prefix") else policy,
             secondary_tiers=tiers,
             offload_prompt_only=s.get_bool("offload_prompt_only", True),
             store_threshold=max(1, s.get_int("store_threshold", 1)),
