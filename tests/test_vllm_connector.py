@@ -145,7 +145,10 @@ def test_restart_on_the_same_fs_root(tmp_path: Path) -> None:
 
 
 def test_s3_tier_on_the_loopback_server(moto_s3: Any, s3_bucket: str, tmp_path: Path) -> None:
-    obj = moto_s3.tier_config(s3_bucket)
+    # moto answers from this process's threads, beside a scheduler that busy-steps: the
+    # default 1 s lookup deadline can pass on a loaded machine, and a late lookup is a miss.
+    # This test is about what the tier holds, so its deadlines are generous.
+    obj = moto_s3.tier_config(s3_bucket, timeout_s=30.0, lookup_timeout_s=10.0)
     store_then_restart(obj, vh.write_model_dir(tmp_path / "model"), seed=8)
 
 
