@@ -106,6 +106,17 @@ def vllm(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
+def faults(session: nox.Session) -> None:
+    """The fault suite (tests/faults): real faults against the real parts, one table of figures;
+    fails on any wrong byte served, durable block lost or call blocked past its bound. The
+    table is also written as markdown to ``.nox/faults.md`` (``-- --table-out PATH``)."""
+    shared(session)
+    session.env["PYTHONPATH"] = str(ROOT / "tests")
+    args = session.posargs or ["--table-out", str(ROOT / ".nox" / "faults.md")]
+    session.run(tool("python"), "-m", "faults", *args, external=True)
+
+
+@nox.session(python=False)
 def bench(session: nox.Session) -> None:
     """All benchmarks (``nox -s bench -- --json`` for JSON lines), with vLLM as a reference."""
     shared(session)
