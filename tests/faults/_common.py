@@ -222,10 +222,16 @@ class Audit:
         return sum(1 for key in durable if key not in self.present)
 
 
-async def audit(cache: TieredKVCache, keys: Iterable[bytes], calls: Calls | None = None) -> Audit:
-    """Clear the CPU tier, then look up and load every key from the secondary tiers."""
+async def audit(
+    cache: TieredKVCache,
+    keys: Iterable[bytes],
+    calls: Calls | None = None,
+    found: Audit | None = None,
+) -> Audit:
+    """Clear the CPU tier, then look up and load every key from the secondary tiers (what
+    was found so far is in ``found`` too, if the caller cuts this short)."""
     await (cache.reset() if calls is None else calls("reset", cache.reset))
-    found = Audit()
+    found = found if found is not None else Audit()
     for key in keys:
         wrong = await load_one(cache, key, calls)
         if wrong is not None:

@@ -114,6 +114,8 @@ async def during(
         if take_durable(cache, TIER):
             row.problems.append("a store reached a full file system")
         row.trials += 1
+    if not cache.ledger.counters[0].cascade_failed:
+        row.problems.append("no store failed: the file system was not full")
 
 
 def check_files(row: Row, root: Path, ballast: Path) -> None:

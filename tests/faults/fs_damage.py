@@ -32,6 +32,7 @@ from faults._common import (
     cache_config,
     content,
     fs_tier,
+    guard,
     keys_of,
     private_dir,
     store,
@@ -170,29 +171,28 @@ def run(seed: int) -> Iterator[Row]:
     for place, parent in PLACES.items():
         for number, (kind, (damage, looks_whole)) in enumerate(KINDS.items()):
             label = f"{kind} on {place}"
-            with as_nobody(kind == "permission denied (mode 000)") as owner:
-                root = private_dir(parent, "damage")
+            with as_nobody(kind == "permission denied (mode 000)"), guard(row):
+                root = private_dir(parent, "damage")  # this user's, 0700
                 try:
-                    os.chown(root, owner, -1)
                     anyio.run(trial, row, label, f"{seed}-{place}-{number}", root, damage,
                               looks_whole)  # fmt: skip
                 finally:
                     shutil.rmtree(root, ignore_errors=True)
             row.trials += 1
+    row.notes = list(dict.fromkeys(row.notes))  # the same finding on both places: once
     yield row
 
 
 @contextlib.contextmanager
-def as_nobody(wanted: bool) -> Iterator[int]:
+def as_nobody(wanted: bool) -> Iterator[None]:
     """Run as user ``nobody`` (effective uid) when ``wanted`` and root: root reads any file,
-    so a mode-000 file is unreadable only to another user. Yields the uid to own the root."""
+    so a mode-000 file is unreadable only to another user."""
     if not wanted or os.geteuid() != 0:
-        yield os.geteuid()
+        yield
         return
-    nobody = pwd.getpwnam("nobody").pw_uid
-    os.seteuid(nobody)
+    os.seteuid(pwd.getpwnam("nobody").pw_uid)
     try:
-        yield nobody
+        yield
     finally:
         os.seteuid(0)
 
@@ -251,8 +251,8 @@ async def check_repair(
     row.wrong_bytes += found.wrong_bytes
     if key not in found.present and block_path(tier, key).is_dir():
         row.notes.append(
-            f"{label}: the key stays a miss: stores do not replace a directory at a block's "
-            "name (lookups skip it, so no promotion's load removes it)"
+            f"{label.split(' on ')[0]}: the key stays a miss: stores do not replace a "
+            "directory at a block's name (lookups skip it, so no promotion's load removes it)"
         )
     elif key not in found.present:
         row.problems.append(f"{label}: a new store did not replace the damaged file")
