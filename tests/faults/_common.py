@@ -57,6 +57,7 @@ class Row:
     bound_s: float = math.inf
     recovery_s: float | None = None
     recovery_bound_s: float | None = None
+    bounds: list[str] = field(default_factory=list)
     skipped: str = ""
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -89,6 +90,16 @@ class Row:
         if data.get("bound_s") is None:
             data["bound_s"] = math.inf
         return cls(**data)
+
+
+# Where the bounds of the rows come from (printed under the table).
+LOCAL_BOUNDS = (
+    "local files and the CPU tier: 5 s per call (no network: an allowance for a busy 2-core "
+    "machine)"
+)
+FS_RECOVERY = "fs recovery: 5 s (no breaker: the next store may succeed)"
+KILL_BOUNDS = "restart after kill -9: 10 s for the open (region reclaimed, temporaries removed)"
+S3_BOUNDS = "S3 without an outage: 10 s per call (a few requests to a local server)"
 
 
 # -- timing public calls ---------------------------------------------------------------------

@@ -19,10 +19,11 @@ def render(rows: Sequence[Row], *, seed: int, seconds: float) -> str:
     lines.append("")
     lines.append(
         f"{len(rows)} faults, {sum(r.trials for r in rows)} trials, seed {seed}, "
-        f"{seconds:.0f} s. Bounds come from the configured timeouts (see each scenario); "
-        "a recovery is the time from the end of the fault until a store reached the tier "
-        "again; - : the fault has no end to recover from."
+        f"{seconds:.0f} s. A recovery is the time from the end of the fault until a store "
+        "reached the tier again (-: the fault has no end to recover from). Bounds:"
     )
+    lines.append("")
+    lines += [f"- {text}" for text in dict.fromkeys(t for row in rows for t in row.bounds)]
     notes = [f"{row.fault}: {note}" for row in rows for note in row.notes]
     if notes:
         lines.append("")

@@ -30,6 +30,7 @@ import anyio.lowlevel
 
 from faults._common import (
     DISK,
+    LOCAL_BOUNDS,
     SENTINEL,
     Calls,
     Row,
@@ -58,7 +59,7 @@ POOL = 32  # keys the calls pick from
 def run(seed: int) -> Iterator[Row]:
     for backend in ("asyncio", "trio"):
         title = f"cancellation of every public call at random points ({backend})"
-        row = Row(title, bound_s=BOUND_S)
+        row = Row(title, bound_s=BOUND_S, bounds=[LOCAL_BOUNDS])
         root = private_dir(DISK, "cancel")
         try:
             with guard(row):

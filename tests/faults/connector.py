@@ -41,6 +41,10 @@ CLOSE_BOUND_S = 5.0  # shutdown: the tier engine's close, its tier's close withi
 TIMEOUT_S = 1.0  # the obj tier's
 FAULT_AT = 8  # steps before the fault begins
 FAULT_S = 4.0  # how long it lasts
+BOUNDS = (
+    f"vLLM steps: {BOUND_S:g} s (a step waits on no tier); shutdown {CLOSE_BOUND_S:g} s; "
+    "recovery: S3 as above plus a step, fs 2 steps' bound"
+)
 OUTER_S = 120.0  # a run still going then fails the row
 WAVE = 24  # requests before the fault's end; the rest arrive after it
 
@@ -103,7 +107,7 @@ def trial(
     import vllm_harness as vh
     from test_vllm_connector import ours
 
-    row = Row(title, bound_s=BOUND_S, recovery_bound_s=recovery_bound_s)
+    row = Row(title, bound_s=BOUND_S, recovery_bound_s=recovery_bound_s, bounds=[BOUNDS])
     calls = Calls(row)
     config = ours(secondary_tiers=[tier], cpu_bytes_to_use=8 * 4096)
     with guard(row), contextlib.ExitStack() as stack:
@@ -135,7 +139,7 @@ def shutdown_while_hung(fault: Outage, tier: dict[str, Any], trace: list[Any]) -
     import vllm_harness as vh
     from test_vllm_connector import ours
 
-    row = Row("vLLM connector: shutdown while S3 PUTs hang", bound_s=CLOSE_BOUND_S)
+    row = Row("vLLM connector: shutdown while S3 PUTs hang", bound_s=CLOSE_BOUND_S, bounds=[BOUNDS])
     config = ours(secondary_tiers=[tier], cpu_bytes_to_use=8 * 4096)
     with guard(row), contextlib.ExitStack() as stack:
         h = vh.VllmHarness(num_gpu_blocks=48, max_num_batched_tokens=256,

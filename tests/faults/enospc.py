@@ -19,6 +19,8 @@ import anyio
 import pytest
 
 from faults._common import (
+    FS_RECOVERY,
+    LOCAL_BOUNDS,
     Calls,
     Row,
     audit,
@@ -48,7 +50,7 @@ OUTER_S = 30.0
 def run(seed: int) -> Iterator[Row]:
     row = Row(
         f"ENOSPC: fs root on a full {SIZE} tmpfs", bound_s=BOUND_S,
-        recovery_bound_s=RECOVERY_BOUND_S,
+        recovery_bound_s=RECOVERY_BOUND_S, bounds=[LOCAL_BOUNDS, FS_RECOVERY],
     )  # fmt: skip
     try:
         with tiny_tmpfs(SIZE) as root, guard(row):

@@ -25,6 +25,7 @@ import anyio
 
 from faults._common import (
     DISK,
+    LOCAL_BOUNDS,
     SHM,
     Calls,
     Row,
@@ -166,7 +167,11 @@ PLACES = {"disk": DISK, "tmpfs": SHM}
 
 
 def run(seed: int) -> Iterator[Row]:
-    row = Row(f"fs: file damage, {len(KINDS)} kinds x disk and tmpfs", bound_s=BOUND_S)
+    row = Row(
+        f"fs: file damage, {len(KINDS)} kinds x disk and tmpfs",
+        bound_s=BOUND_S,
+        bounds=[LOCAL_BOUNDS],
+    )
     fs._fsio.native_fsio()  # built or loaded now, as this user (see `as_nobody`)
     for place, parent in PLACES.items():
         for number, (kind, (damage, looks_whole)) in enumerate(KINDS.items()):

@@ -22,6 +22,7 @@ import anyio
 
 from faults._common import (
     DISK,
+    KILL_BOUNDS,
     Calls,
     Child,
     Row,
@@ -41,7 +42,11 @@ READY_S = 60.0  # a child's start-up (imports) on a busy machine
 
 
 def run(seed: int) -> Iterator[Row]:
-    row = Row(f"kill -9 during stores, restart on the same root ({TRIALS}x)", bound_s=BOUND_S)
+    row = Row(
+        f"kill -9 during stores, restart on the same root ({TRIALS}x)",
+        bound_s=BOUND_S,
+        bounds=[KILL_BOUNDS],
+    )
     row.recovery_bound_s = BOUND_S
     rng = random.Random(f"{seed}-kill")
     recoveries, temps = [], []

@@ -22,6 +22,8 @@ import anyio.to_thread
 
 from faults._common import (
     DISK,
+    FS_RECOVERY,
+    LOCAL_BOUNDS,
     Calls,
     Row,
     audit,
@@ -49,7 +51,7 @@ def run(seed: int) -> Iterator[Row]:
     rng = random.Random(f"{seed}-rm")
     row = Row(
         f"fs root / namespace / rank dir removed while storing ({3 * TRIALS}x)",
-        bound_s=BOUND_S, recovery_bound_s=BOUND_S,
+        bound_s=BOUND_S, recovery_bound_s=BOUND_S, bounds=[LOCAL_BOUNDS, FS_RECOVERY],
     )  # fmt: skip
     recoveries: list[float] = []
     for number in range(TRIALS):

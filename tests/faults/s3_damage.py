@@ -20,7 +20,7 @@ import anyio
 from botocore.exceptions import ClientError
 
 from _s3 import raw_client
-from faults._common import Calls, Row, audit, cache_config, keys_of, store, take_durable
+from faults._common import S3_BOUNDS, Calls, Row, audit, cache_config, keys_of, store, take_durable
 from kvtier_async.api import TieredKVCache
 from kvtier_async.testing.s3server import MotoS3Server
 from kvtier_async.tiers.fs import HEADER_BYTES
@@ -54,7 +54,7 @@ TRIALS = 2
 
 
 def run(seed: int) -> Iterator[Row]:
-    row = Row(f"S3: object damage, {len(KINDS)} kinds", bound_s=BOUND_S)
+    row = Row(f"S3: object damage, {len(KINDS)} kinds", bound_s=BOUND_S, bounds=[S3_BOUNDS])
     with MotoS3Server() as server:
         for number, (kind, body) in enumerate(KINDS.items()):
             for attempt in range(TRIALS):

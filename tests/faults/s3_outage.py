@@ -62,6 +62,12 @@ TIMEOUT_S = 1.0
 CALL_BOUND_S = 2 * TIMEOUT_S + 1.0  # a request with its retries, plus 1 s for a busy machine
 CLOSE_BOUND_S = CALL_BOUND_S + TIMEOUT_S  # a drain, then the tier's close
 RECOVERY_BOUND_S = DEFAULT_BREAKER_OPEN_S + CALL_BOUND_S  # the next probe, then a store
+BOUNDS = (
+    f"S3 outages, timeout_s = {TIMEOUT_S:g} s: a request and its retries end within "
+    f"2 x timeout_s, a cache's close adds the tier's close (timeout_s): {CLOSE_BOUND_S:g} s "
+    f"with 1 s for a busy machine; recovery: the breaker's next probe ({DEFAULT_BREAKER_OPEN_S:g}"
+    f" s) and a store, {RECOVERY_BOUND_S:g} s"
+)
 OUTER_S = 15.0  # calls still running then are cancelled, and the row fails
 ROUNDS = 2
 SLOW_DELAY_S = 0.25  # per chunk each way: a request takes about 2-4 chunks
@@ -173,7 +179,10 @@ class WritesHang(Proxied):
 def run(seed: int) -> Iterator[Row]:
     for make in (Refused, SilentPort, Paused, WritesHang, Slow):
         with outage(make) as fault:
-            row = Row(fault.name, bound_s=CLOSE_BOUND_S, recovery_bound_s=RECOVERY_BOUND_S)
+            row = Row(
+                fault.name, bound_s=CLOSE_BOUND_S, recovery_bound_s=RECOVERY_BOUND_S,
+                bounds=[BOUNDS],
+            )  # fmt: skip
             bucket = f"outage-{uuid.uuid4().hex[:12]}"
             fault.server.create_bucket(bucket)
             tier = fault.server.tier_config(bucket, timeout_s=TIMEOUT_S)

@@ -30,11 +30,16 @@ BATCHES = 12  # per writer: 96 blocks, the same 96 for both
 TRIALS = 2
 BOUND_S = 10.0  # a reader's lookup or load beside two writers on a busy 2-core machine
 CHILD_S = 120.0
+BOUNDS = "two writers and a reader: 10 s per reader call (three processes on a busy 2-core machine)"
 
 
 def run(seed: int) -> Iterator[Row]:
-    on_root = Row(f"2 writers + 1 reader on one fs root ({TRIALS}x)", bound_s=BOUND_S)
-    on_bucket = Row(f"2 writers + 1 reader on one S3 bucket ({TRIALS}x)", bound_s=BOUND_S)
+    on_root = Row(
+        f"2 writers + 1 reader on one fs root ({TRIALS}x)", bound_s=BOUND_S, bounds=[BOUNDS]
+    )
+    on_bucket = Row(
+        f"2 writers + 1 reader on one S3 bucket ({TRIALS}x)", bound_s=BOUND_S, bounds=[BOUNDS]
+    )
     for trial in range(TRIALS):
         root = make_dir(DISK, "shared")
         try:
