@@ -1,18 +1,21 @@
 """Helpers for the obj (S3) tier tests: blocks, keys, clients, a fake clock, fault injection.
 
-Page-aligned blocks, a fake clock for the circuit breaker, and botocore event hooks that
-inject error answers and count requests. Tiers are opened in test bodies (`opened`), not
-across a fixture's ``yield``.
+Page-aligned blocks, a fake clock for the circuit breaker, botocore event hooks that inject
+error answers and count requests, and `SilentServer`, a hung S3 peer. Tiers are opened in test
+bodies (`opened`), not across a fixture's ``yield``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import random
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
 import aioboto3
@@ -141,3 +144,67 @@ class RequestLog:
     @property
     def total(self) -> int:
         return sum(self.sent.values())
+
+
+class SilentServer:
+    """A hung peer: a small asyncio TCP server on 127.0.0.1, in a thread of its own, that
+    accepts every connection, reads everything sent and never answers.
+
+    ``port=0`` picks a free port; a given one is taken over (SO_REUSEADDR), e.g. a stopped
+    moto server's, so that a tier opened there finds it hung. `received` is every byte read.
+    """
+
+    def __init__(self, port: int = 0) -> None:
+        self.port = port
+        self.connections = 0
+        self._chunks: list[bytes] = []
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="silent-server", daemon=True)
+
+    @property
+    def received(self) -> bytes:
+        return b"".join(self._chunks)
+
+    def __enter__(self) -> SilentServer:
+        self._thread.start()
+        if not self._ready.wait(timeout=10) or self._error is not None:
+            raise RuntimeError(f"silent server did not start: {self._error!r}")
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # reported by __enter__
+            self._error = exc
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        writers: list[asyncio.StreamWriter] = []
+
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            writers.append(writer)
+            while chunk := await reader.read(1 << 16):
+                self._chunks.append(chunk)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", self.port, reuse_address=True)
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        async with server:
+            await self._stop.wait()
+            for writer in writers:
+                writer.close()

@@ -1,7 +1,8 @@
 """Fixtures for the obj (S3) tier tests, loaded with ``pytest_plugins = ["conftest_s3"]``.
 
-A session-wide moto S3 server on 127.0.0.1 (real HTTP), a fresh bucket per test, and a server
-of a test's own to stop and restart. Helpers are in `_s3`.
+A session-wide moto S3 server on 127.0.0.1 (real HTTP), a fresh bucket per test, a session-wide
+one in a child process to pause with SIGSTOP, and a server of a test's own to stop and
+restart. Helpers are in `_s3`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ def s3_bucket(moto_s3: MotoS3Server) -> str:
     name = f"kvtier-{uuid.uuid4().hex[:12]}"
     moto_s3.create_bucket(name)
     return name
+
+
+@pytest.fixture(scope="session")
+def moto_s3_process() -> Iterator[MotoS3Server]:
+    """moto's S3 server in a child process, for the whole session: one a test may pause
+    (SIGSTOP) and must resume."""
+    with MotoS3Server(in_process=False) as server:
+        yield server
 
 
 @pytest.fixture

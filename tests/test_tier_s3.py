@@ -3,31 +3,44 @@
 asyncio only: aiobotocore does not run under trio (one test checks the tier says so).
 No test sleeps to wait: the breaker runs on a fake clock, faults are injected through
 botocore's ``before-send`` event, and every wait is bounded by ``fail_after``.
+
+A hung endpoint is a `SilentServer` (accepts, reads, never answers) or moto's server in a child
+process paused with SIGSTOP. Each call against it must end within a bound computed from the
+tier's config (measured, then compared), plus `SLACK_S` for a loaded machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
+import threading
+import time
 import traceback
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
+import numpy as np
 import pytest
 
 from _s3 import (
     FakeClock,
     Injector,
     RequestLog,
+    SilentServer,
     make_blocks,
     make_keys,
     opened,
     raw_client,
 )
+from kvtier_async.api import TieredKVCache
 from kvtier_async.config import ConfigError, Section
+from kvtier_async.engine import Engine, Job, ThreadedEngine
+from kvtier_async.ledger import JobKind
 from kvtier_async.memory import SharedRegion
 from kvtier_async.testing.s3server import MotoS3Server
 from kvtier_async.tiers.base import TierContext, make_tier
@@ -36,6 +49,7 @@ from kvtier_async.tiers.s3 import (
     BucketNotFoundError,
     CircuitOpenError,
     EndpointUnreachableError,
+    RequestTimeoutError,
     S3Config,
     S3Tier,
     Secret,
@@ -43,9 +57,11 @@ from kvtier_async.tiers.s3 import (
 )
 
 pytest_plugins = ["conftest_s3"]
+T = TypeVar("T")
 
 KIB = 1024
 CTX = TierContext(block_bytes=256 * KIB, model="test/model")
+SLACK_S = 2.0  # over a bound computed from the config: scheduling on a loaded machine
 
 
 @pytest.fixture
@@ -55,9 +71,8 @@ def anyio_backend() -> str:
 
 def s3_tier(server: MotoS3Server, bucket: str, ctx: TierContext = CTX, **kwargs: Any) -> S3Tier:
     """A tier on ``server``; config fields and tier keywords (``clock=``...) in ``kwargs``."""
-    tuning = {
-        k: kwargs.pop(k) for k in ("breaker_threshold", "breaker_open_s", "clock") if k in kwargs
-    }
+    names = ("breaker_threshold", "breaker_timeouts", "breaker_open_s", "clock")
+    tuning = {k: kwargs.pop(k) for k in names if k in kwargs}
     config = S3Config.from_section(Section(server.tier_config(bucket, **kwargs), "obj"))
     return S3Tier("obj", ctx, config, backoff_s=0.001, **tuning)
 
@@ -86,6 +101,8 @@ def test_config_fields_and_defaults() -> None:
     assert cfg.client_region == "us-east-1"
     assert cfg.prefix == "a/b"
     assert (cfg.max_concurrency, cfg.timeout_s, cfg.retries) == (16, 5.0, 3)
+    assert cfg.lookup_timeout_s == 1.0
+    assert config({"bucket": "kv", "timeout_s": 0.25}).lookup_timeout_s == 0.25  # never more
     assert not cfg.access_key  # empty: the AWS credential chain
     aws = config({"bucket": "kv", "region": "eu-west-1"})
     assert aws.endpoint_url is None and aws.scheme == "https" and aws.client_region == "eu-west-1"
@@ -126,6 +143,7 @@ def test_config_accepts_vllms_nested_store_config() -> None:
         ({"bucket": "kv", "max_concurrency": 0}, "max_concurrency", "in [1, 1024]"),
         ({"bucket": "kv", "max_concurrency": 4, "io_threads": 4}, "io_threads", "not both"),
         ({"bucket": "kv", "timeout_s": 0}, "timeout_s", "must be"),
+        ({"bucket": "kv", "lookup_timeout_s": 0}, "lookup_timeout_s", "must be"),
         ({"bucket": "kv", "retries": -1}, "retries", "must be"),
         ({"bucket": "kv", "store_config": {"bucket": "x"}}, "store_config.bucket", "also set"),
         ({"store_config": {"bucket": "x", "prefix": "p"}}, "store_config.prefix", "unknown"),
@@ -494,6 +512,310 @@ async def test_a_cancelled_store_leaves_no_partial_object(
         present = [k for k, f in zip(keys, found, strict=True) if f]
         assert await tier.load(present, slots[: len(present)]) == [True] * len(present)
         assert await tier.store(keys, blocks) == [True] * 8  # the tier still works
+
+
+# -- a hung endpoint ---------------------------------------------------------------------------
+
+# Config per operation. Stores and loads get 2 x timeout_s per request (retries included),
+# a lookup's HEAD gets lookup_timeout_s, far under timeout_s here: the bound shows which ran.
+HUNG: dict[str, dict[str, Any]] = {
+    "store": {"timeout_s": 0.5, "retries": 3},
+    "load": {"timeout_s": 0.5, "retries": 3},
+    "lookup": {"timeout_s": 5.0, "lookup_timeout_s": 0.3, "retries": 3},
+}
+OPEN_S = 30.0  # the breaker's open time (on the fake clock)
+
+
+def bound_s(tier: S3Tier, operation: str) -> float:
+    """How long one call may run against a hung endpoint, by the tier's config."""
+    cfg = tier.config
+    return {
+        "store": 2 * cfg.timeout_s,
+        "load": 2 * cfg.timeout_s,
+        "lookup": cfg.lookup_timeout_s,
+        "probe": min(cfg.timeout_s, cfg.lookup_timeout_s),
+        "open": 3 * cfg.timeout_s,  # the probe's budget, then closing the client
+    }[operation]
+
+
+async def timed(call: Awaitable[T]) -> tuple[T, float]:
+    """``await call`` and the seconds it took; a hang fails the test instead of stalling it."""
+    start = anyio.current_time()
+    with anyio.fail_after(30):
+        result = await call
+    return result, anyio.current_time() - start
+
+
+async def fails_within_its_bound(
+    tier: S3Tier, operation: str, keys: list[bytes], blocks: list[memoryview]
+) -> None:
+    """``operation`` on ``keys`` against a hung endpoint: every key fails within the bound,
+    the first timeouts open the circuit, and the next call fails at once, without I/O."""
+    before = tier.statistics()
+    calls = {"store": tier.store, "load": tier.load, "lookup": lambda k, _: tier.lookup(k)}
+    result, elapsed = await timed(calls[operation](keys, blocks))
+    stats = tier.statistics()
+    assert result == [False] * len(keys)
+    assert elapsed < bound_s(tier, operation) + SLACK_S, elapsed
+    assert (stats.circuit_state, stats.circuit_opens) == ("open", before.circuit_opens + 1)
+    assert stats.timeouts - before.timeouts >= 2  # two timeouts open it, not all the retries
+    failed = {
+        "store": stats.store_failures - before.store_failures,
+        "load": stats.load_failures - before.load_failures,
+        "lookup": stats.lookup_timeouts - before.lookup_timeouts,
+    }
+    assert failed[operation] == len(keys)
+    requests = RequestLog().attach(tier.client)
+    with anyio.fail_after(SLACK_S):
+        if operation == "lookup":
+            assert await tier.lookup(keys) == [False] * len(keys)
+        else:
+            with pytest.raises(CircuitOpenError):
+                await calls[operation](keys, blocks)
+    assert requests.total == 0
+
+
+async def probe_fails_within_its_bound(tier: S3Tier, clock: FakeClock, keys: list[bytes]) -> None:
+    """After the open time, the probe against the hung endpoint times out: open again."""
+    opens = tier.statistics().circuit_opens
+    clock.advance(OPEN_S)
+    result, elapsed = await timed(tier.lookup(keys))
+    assert result == [False] * len(keys)
+    assert elapsed < bound_s(tier, "probe") + SLACK_S, elapsed
+    stats = tier.statistics()
+    assert (stats.circuit_state, stats.circuit_opens) == ("open", opens + 1)
+
+
+async def recovers(tier: S3Tier, clock: FakeClock, keys: list[bytes]) -> None:
+    """The endpoint answers again: the next probe closes the circuit and the keys are found.
+    (A resumed server may first work through what it received while paused: a few probes.)"""
+    for _ in range(5):
+        clock.advance(OPEN_S)
+        found = await tier.lookup(keys)
+        if tier.statistics().circuit_state == "closed":
+            break
+    assert tier.statistics().circuit_state == "closed"
+    assert found == [True] * len(keys) or await tier.lookup(keys) == [True] * len(keys)
+
+
+def targets(
+    operation: str, keys: list[bytes], blocks: list[memoryview], slots: list[memoryview]
+) -> tuple[list[bytes], list[memoryview]]:
+    """What ``operation`` runs on: new keys for a store, the 4 stored ones otherwise."""
+    return (keys[4:], blocks[4:]) if operation == "store" else (keys[:4], slots[:4])
+
+
+@pytest.mark.anyio
+async def test_a_put_sends_its_body_without_waiting_for_100_continue(
+    moto_s3: MotoS3Server, s3_bucket: str
+) -> None:
+    headers: list[dict[str, str]] = []
+    async with opened(s3_tier(moto_s3, s3_bucket)) as tier:
+        tier.client.meta.events.register(
+            "before-send.s3.PutObject", lambda request, **_: headers.append(dict(request.headers))
+        )
+        assert await tier.store(make_keys(2), make_blocks(2, CTX.block_bytes)) == [True, True]
+    assert len(headers) == 2
+    assert not [h for h in headers if "expect" in (k.lower() for k in h)]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("operation", ["store", "load", "lookup"])
+async def test_a_silent_endpoint_fails_each_call_within_its_deadline(
+    own_moto_s3: MotoS3Server, operation: str
+) -> None:
+    server, clock = own_moto_s3, FakeClock()
+    server.create_bucket("silent")
+    keys, blocks, slots = data(8)
+    tier = s3_tier(server, "silent", clock=clock, breaker_open_s=OPEN_S, **HUNG[operation])
+    async with opened(tier):
+        assert await tier.store(keys[:4], blocks[:4]) == [True] * 4
+        server.stop()
+        with SilentServer(server.port) as silent:
+            await fails_within_its_bound(tier, operation, *targets(operation, keys, blocks, slots))
+            await probe_fails_within_its_bound(tier, clock, keys[:4])
+        method = {"store": b"PUT", "load": b"GET", "lookup": b"HEAD"}[operation]
+        assert f"{method.decode()} /silent/".encode() in silent.received
+        assert b"expect:" not in silent.received.lower()
+        server.start()
+        await recovers(tier, clock, keys[:4])
+        assert await tier.load(keys[:4], slots[:4]) == [True] * 4
+    assert all(equal(a, b) for a, b in zip(blocks[:4], slots[:4], strict=True))
+
+
+@pytest.mark.anyio
+async def test_the_first_timeouts_open_the_circuit_not_the_retries(
+    own_moto_s3: MotoS3Server,
+) -> None:
+    server = own_moto_s3
+    server.create_bucket("first")
+    (key,), (block,) = make_keys(1), make_blocks(1, CTX.block_bytes)
+    tier = s3_tier(server, "first", timeout_s=0.3, retries=5, breaker_threshold=5)
+    async with opened(tier):
+        requests = RequestLog().attach(tier.client)
+        server.stop()
+        with SilentServer(server.port):
+            result, elapsed = await timed(tier.store([key], [block]))
+        stats = tier.statistics()
+    assert result == [False]
+    assert requests.sent == {"PutObject": 2}  # then the circuit opened: no third attempt
+    assert (stats.timeouts, stats.retries, stats.circuit_state) == (2, 1, "open")
+    assert elapsed < 2 * 0.3 + SLACK_S
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("operation", ["store", "load", "lookup"])
+async def test_a_paused_server_fails_each_call_within_its_deadline_and_recovers(
+    moto_s3_process: MotoS3Server, operation: str
+) -> None:
+    server, clock = moto_s3_process, FakeClock()
+    bucket = f"paused-{os.urandom(6).hex()}"
+    server.create_bucket(bucket)
+    keys, blocks, slots = data(8)
+    tier = s3_tier(server, bucket, clock=clock, breaker_open_s=OPEN_S, **HUNG[operation])
+    async with opened(tier):
+        assert await tier.store(keys[:4], blocks[:4]) == [True] * 4
+        server.pause()
+        try:
+            await fails_within_its_bound(tier, operation, *targets(operation, keys, blocks, slots))
+            await probe_fails_within_its_bound(tier, clock, keys[:4])
+        finally:
+            server.resume()
+        await recovers(tier, clock, keys[:4])
+        assert await tier.load(keys[:4], slots[:4]) == [True] * 4
+    assert all(equal(a, b) for a, b in zip(blocks[:4], slots[:4], strict=True))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("hung", ["silent", "paused"])
+async def test_open_against_a_hung_endpoint_fails_within_its_budget(
+    moto_s3_process: MotoS3Server, hung: str
+) -> None:
+    with contextlib.ExitStack() as stack:
+        if hung == "silent":
+            port = stack.enter_context(SilentServer()).port
+        else:
+            port = moto_s3_process.port
+            moto_s3_process.pause()
+            stack.callback(moto_s3_process.resume)
+        cfg = config({"bucket": "kv", "endpoint_override": f"127.0.0.1:{port}",
+                      "access_key": "AKIAOPENTEST", "secret_key": "open-test-secret",
+                      "timeout_s": 0.5, "retries": 9})  # fmt: skip
+        tier = S3Tier("obj", CTX, cfg, backoff_s=0.001)
+        start = anyio.current_time()
+        with anyio.fail_after(30), pytest.raises(EndpointUnreachableError) as info:
+            await tier.open()
+        elapsed = anyio.current_time() - start
+        await tier.aclose()
+    assert elapsed < bound_s(tier, "open") + SLACK_S, elapsed
+    assert isinstance(info.value.__cause__, RequestTimeoutError)
+    assert "no complete answer" in str(info.value)
+
+
+@pytest.mark.anyio
+async def test_a_cache_over_a_silent_endpoint_drains_and_frees_its_slots(
+    own_moto_s3: MotoS3Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = own_moto_s3
+    server.create_bucket("cache")
+    tier = server.tier_config("cache", timeout_s=0.5, retries=3)
+    cfg = {"block_bytes": 4 * KIB, "num_slots": 16, "secondary_tiers": [tier]}
+    keys = make_keys(8)
+    blocks = [np.full(4 * KIB, i, np.uint8) for i in range(8)]
+    async with TieredKVCache(cfg) as cache:
+        server.stop()
+        with SilentServer(server.port):
+            assert len((await cache.store(keys[:4], blocks[:4])).stored) == 4
+            _, elapsed = await timed(cache.drain())
+            assert elapsed < 2 * 0.5 + SLACK_S, elapsed
+            stats = cache.stats()
+            counters, tier_stats = stats.tiers[0]
+            assert (stats.ledger.pinned, stats.ledger.writing) == (0, 0)  # slots released
+            assert counters.cascade_failed == 4
+            assert (tier_stats.store_failures, tier_stats.circuit_state) == (4, "open")
+            # while the circuit is open every cascade fails whole, at once: one warning
+            caplog.set_level(logging.WARNING, logger="kvtier_async.engine.lane")
+            for i in range(4, 8):
+                await cache.store(keys[i : i + 1], blocks[i : i + 1])
+            _, elapsed = await timed(cache.drain())
+            assert elapsed < SLACK_S
+            lane = next(s for s in cache.stats().lanes if s.name == "obj[0]")
+            assert (lane.failed, lane.warnings_suppressed) == (4, 3)
+            lines = [r.getMessage() for r in caplog.records if r.name.endswith(".lane")]
+            assert [line.split(" lane=")[0] for line in lines] == ["job failed"]
+            assert cache.stats().ledger.pinned == 0
+
+
+@pytest.mark.anyio
+async def test_a_cache_lookup_over_a_silent_endpoint_is_a_miss_within_its_deadline(
+    own_moto_s3: MotoS3Server,
+) -> None:
+    server = own_moto_s3
+    server.create_bucket("cache")
+    tier = server.tier_config("cache", timeout_s=5.0, lookup_timeout_s=0.3)
+    async with TieredKVCache({"block_bytes": 4 * KIB, "num_slots": 8,
+                              "secondary_tiers": [tier]}) as cache:  # fmt: skip
+        server.stop()
+        with SilentServer(server.port):
+            found, elapsed = await timed(cache.lookup(make_keys(4)))
+            assert found == 0
+            assert elapsed < 0.3 + SLACK_S, elapsed  # not timeout_s, not (retries + 1) x it
+            assert cache.stats().tiers[0][1].lookup_timeouts >= 1
+
+
+@pytest.mark.anyio
+async def test_closing_a_cache_over_a_silent_endpoint_is_bounded(
+    own_moto_s3: MotoS3Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = own_moto_s3
+    server.create_bucket("close")
+    tier = server.tier_config("close", timeout_s=30.0, retries=0)  # requests outlast the close
+    cfg = {"block_bytes": 4 * KIB, "num_slots": 8, "secondary_tiers": [tier],
+           "close_timeout_s": 0.5}  # fmt: skip
+    caplog.set_level(logging.WARNING, logger="kvtier_async.api")
+    cache = TieredKVCache(cfg)
+    with contextlib.ExitStack() as stack:
+        async with cache:
+            server.stop()
+            stack.enter_context(SilentServer(server.port))
+            await cache.store(make_keys(2), [np.zeros(4 * KIB, np.uint8)] * 2)
+            start = anyio.current_time()
+        elapsed = anyio.current_time() - start
+    assert elapsed < 0.5 + SLACK_S, elapsed
+    (record,) = [r for r in caplog.records if r.name == "kvtier_async.api"]
+    assert record.getMessage().startswith("cache closed before its jobs ended; cancelling them")
+    assert "jobs=1" in record.getMessage() and "'obj[0]': 1" in record.getMessage()
+    stats = cache.ledger.primary.statistics()
+    assert (stats.pinned, stats.writing) == (0, 0)
+    assert cache.ledger.counters[0].cascade_failed == 2
+
+
+def test_a_threaded_engine_closes_in_time_over_a_silent_endpoint(
+    own_moto_s3: MotoS3Server,
+) -> None:
+    """The vLLM face's shutdown path: ThreadedEngine.close cancels a PUT that hangs."""
+    server = own_moto_s3
+    server.create_bucket("threaded")
+    tier = s3_tier(server, "threaded", timeout_s=30.0, retries=0)
+    keys, blocks = make_keys(2), make_blocks(2, CTX.block_bytes)
+    sent = threading.Event()
+    threaded = ThreadedEngine(lambda: Engine([tier], blocks.__getitem__)).__enter__()
+    try:
+        threaded.call(
+            tier.client.meta.events.register, "before-send.s3.PutObject", lambda **_: sent.set()
+        )
+        server.stop()
+        with SilentServer(server.port):
+            threaded.submit([Job(JobKind.STORE, tuple(keys), [0, 1], tier=0)])
+            assert sent.wait(timeout=10)
+            start = time.monotonic()
+            threaded.close()
+            elapsed = time.monotonic() - start
+    finally:
+        threaded.close()
+    assert elapsed < SLACK_S, elapsed
+    (result,) = threaded.poll()
+    assert result.cancelled and result.ok == (False, False)
 
 
 # -- start-up ----------------------------------------------------------------------------------

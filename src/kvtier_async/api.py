@@ -10,6 +10,9 @@
 The event loop's thread owns the ledger: job results are applied by their ``on_done``
 callbacks, which the engine runs in the loop. A block is any buffer of ``block_bytes`` bytes:
 a contiguous torch tensor (CPU here, or CUDA), a numpy array, a bytearray.
+
+Closing is bounded: a clean exit drains for at most ``close_timeout_s``, then cancels what
+is left (logging how many jobs, on which lanes), and each tier closes within its own bound.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier_async._log import get_logger
-from kvtier_async.config import ConfigError, Section
+from kvtier_async.config import ConfigError, Section, config_mappings
 from kvtier_async.engine import Engine, Job, JobError, JobResult, LaneStatistics
 from kvtier_async.ledger import (
     JobKind,
@@ -65,6 +68,7 @@ class CacheConfig:
     queue_depth: int = 256
     device_workers: int = 2
     model: str = "kvtier-demo"
+    close_timeout_s: float = 30.0
 
     FIELDS = (
         "block_bytes",
@@ -79,14 +83,19 @@ class CacheConfig:
         "queue_depth",
         "device_workers",
         "model",
+        "close_timeout_s",
     )
+
+    def __post_init__(self) -> None:  # a read-only copy whose repr hides credentials
+        object.__setattr__(self, "secondary_tiers", config_mappings(self.secondary_tiers))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CacheConfig:
         """Read ``block_bytes`` and one of ``num_slots`` / ``cpu_bytes_to_use`` (required),
         ``eviction_policy`` (lru | arc | module:Class), ``store_threshold``, ``store_policy``
         (block_level | request_level), ``secondary_tiers`` (list of tier configs),
-        ``instance_id``, ``region_dir``, ``queue_depth``, ``device_workers``, ``model``."""
+        ``instance_id``, ``region_dir``, ``queue_depth``, ``device_workers``, ``model``,
+        ``close_timeout_s`` (how long a clean exit drains before it cancels)."""
         s = Section(data, "")
         s.allow_only(cls.FIELDS)
         block_bytes = s.get_int("block_bytes", low=1)
@@ -103,6 +112,7 @@ class CacheConfig:
             "queue_depth": s.get_int("queue_depth", 256, low=1, high=1 << 20),
             "device_workers": s.get_int("device_workers", 2, low=1, high=64),
             "model": s.get_str("model", "kvtier-demo"),
+            "close_timeout_s": s.get_float("close_timeout_s", 30.0, low=0.0, high=86400.0),
         }
         if "instance_id" in data:
             kwargs["instance_id"] = s.get_str("instance_id")
@@ -197,11 +207,15 @@ class TieredKVCache:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        """Drain (cascades finish) on a clean exit; on an error, cancel what is in flight."""
+        """Drain (cascades finish) on a clean exit, for at most ``close_timeout_s``; on an
+        error, or then, cancel what is in flight."""
         engine = self._engine
         try:
             if engine is not None and exc_type is None:
-                await self.drain()
+                with anyio.move_on_after(self.config.close_timeout_s) as drained:
+                    await self.drain()
+                if drained.cancelled_caught:
+                    _log_abandoned(engine, self.config.close_timeout_s)
         finally:
             self._engine = None
             try:
@@ -482,6 +496,20 @@ def _check_keys(keys: object) -> None:
                 f"keys[{index}]: must be {low}-{high} bytes (a block hash and a 4-byte group "
                 f"index, see make_offload_key), got {len(key)}"
             )
+
+
+def _log_abandoned(engine: Engine, waited_s: float) -> None:
+    lanes = {
+        lane.name: lane.running + lane.queued_reads + lane.queued_writes
+        for lane in engine.statistics()
+    }
+    busy = {name: count for name, count in lanes.items() if count}
+    log.warning(
+        "cache closed before its jobs ended; cancelling them",
+        close_timeout_s=waited_s,
+        jobs=sum(busy.values()),
+        lanes=busy,
+    )
 
 
 def _as_bytes(block: Any, block_bytes: int, index: int, writable: bool) -> Any:

@@ -1,31 +1,55 @@
-"""Benchmark ``gpu``: device <-> pinned-host transfer bandwidth and event-bridge latency.
+"""Benchmark ``gpu``: device <-> pinned-host transfers and event-bridge wake latency.
 
-Without CUDA it reports that it did not run and returns no records.
+Without CUDA it says so and returns no records. With CUDA, every figure is compared with a
+reference measured in the same run, on the same buffers:
 
-With CUDA, for 8 KiB, 64 KiB, 256 KiB and 2 MiB blocks (a batch of random block ids and
-random slots, 64 MiB; 16 MiB with ``quick``):
+*Copy engine.* For pages of 8 KiB to 2 MiB (`PAGE_SIZES`), a 64 MiB batch (16 MiB with
+``quick``) of one KV cache ``(blocks, page)`` moves D2H and H2D through `CudaCopyHandler`
+on the copy engine (``cudaMemcpyAsync`` runs, the default issue path), with contiguous
+block and slot ids (the plan merges into one run) and with scattered ones (random ids out
+of twice as many). The reference is one ``Tensor.copy_`` of the same number of bytes
+between the same pinned region and the same device cache. Target: 0.9 of it from 256 KiB
+pages up (`COPY_TARGET`). The ``Tensor.copy_`` issue path is reported too (scattered ids,
+no target).
 
-* D2H and H2D through `CudaCopyHandler` on the copy engine, runs issued with
-  ``cudaMemcpyAsync`` (the default when its self-test passes) and with ``Tensor.copy_``,
-  against one contiguous ``Tensor.copy_`` of the same bytes between the same buffers,
-  timed the same way (submit, then wait for completion). Target 0.9 from 256 KiB up.
-* Below the 28 KiB Triton threshold, the Triton swap-blocks kernel in both directions,
-  against the copy engine (so the default path can be checked per direction).
-* Event-bridge completion latency of both strategies: time from submitting a known amount
-  of GPU work to the awaiting task waking up, against a blocking ``event.synchronize()``
-  of the same work (the best any waiter can do). Lower is better.
+*Triton or copy engine.* On the scattered batches the Triton swap-blocks kernel runs at
+every page size (forced on), against the copy engine on the same blocks. Per direction the
+run finds the crossover: the smallest page size from which the copy engine is at least as
+fast as Triton at that size and every larger one ('none' when Triton wins everywhere; the
+record's ``ours`` is then 0), shown against today's `DEFAULT_TRITON_THRESHOLD`. And at
+every size, the path a default handler picks (`CudaCopyHandler` with ``use_triton=None``)
+is compared with the faster of the two measured: target 0.95 of it (`CHOICE_TARGET`: the
+faster one chosen, within measurement noise).
+
+*Event bridge.* One round: GPU work of about 0.1 ms (``torch.cuda._sleep`` between two
+timing events), an event recorded after it, then the wait; the wake latency is the time
+from just before the launch to the waiter's wake-up, less the GPU work's own duration (the
+events' elapsed time): the waiter's delay plus the launch's few microseconds, the same in
+ours and the reference (floored at `MIN_WAKE_US`, the events' resolution). Ours: a task
+awaiting `EventBridge.wait` in an anyio loop (each strategy; asyncio, and trio when it is
+installed). Reference: a bare ``torch.cuda.Event.synchronize()`` in a waiting thread. p50
+and p99 over `BRIDGE_ROUNDS` rounds (no target: the ratio shows the cost of the hand-off
+to the loop), and the p99 against the 100 us budget (`BRIDGE_P99_BUDGET_US`, a fixed
+figure, not a measurement: target 1.0).
+
+Times are best of `REPEATS` runs (each synchronised); other load on the machine only adds
+time. ``quick`` measures fewer sizes and rounds, and gives no verdict (no targets, no
+crossover): too few samples to support one.
 """
 
 from __future__ import annotations
 
 import functools
-import statistics
+import math
+import queue
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -33,26 +57,35 @@ from kvtier_async.ledger import CPUSpec, GPUSpec
 from kvtier_async.memory import SharedRegion
 from kvtier_async.transfer import (
     BridgeStrategy,
+    CanonicalKV,
     CudaCopyHandler,
     EventBridge,
     HostSlots,
     canonicalize,
 )
+from kvtier_async.transfer.handlers import DEFAULT_TRITON_THRESHOLD
 
 from .report import BenchRecord, latency_record, throughput_record
 
-if TYPE_CHECKING:
-    import torch
+__all__ = ["crossover", "percentile", "run"]
 
-__all__ = ["run"]
-
-PAGE_SIZES = (8 << 10, 64 << 10, 256 << 10, 2 << 20)
-TRITON_THRESHOLD = 28 << 10
-COPY_TARGET_FROM = 256 << 10
+KIB = 1 << 10
+PAGE_SIZES = tuple(n * KIB for n in (8, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 2048))
+QUICK_PAGE_SIZES = (8 * KIB, 64 * KIB, 2048 * KIB)
+REPEATS, QUICK_REPEATS = 10, 3
+COPY_TARGET_FROM = 256 * KIB
 COPY_TARGET = 0.9
-CONTIGUOUS = "one contiguous Tensor.copy_ of the same bytes"
-COPY_ENGINE = "copy engine (default issue path) on the same blocks"
-SYNCHRONIZE = "blocking event.synchronize() of the same work"
+CHOICE_TARGET = 0.95
+BRIDGE_ROUNDS, QUICK_BRIDGE_ROUNDS = 1000, 50
+BRIDGE_SLEEP_CYCLES = 200_000  # ~0.1 ms at ~2 GHz: the waiter is parked before completion
+BRIDGE_P99_BUDGET_US = 100.0
+MIN_WAKE_US = 0.5  # CUDA events time to about half a microsecond
+CONTIGUOUS = "one Tensor.copy_ of the same bytes, same pinned region and device"
+COPY_ENGINE = "copy engine (cudaMemcpyAsync runs) on the same blocks"
+FASTER = "the faster of Triton and the copy engine at this size, measured above"
+THRESHOLD = "today's DEFAULT_TRITON_THRESHOLD"
+SYNCHRONIZE = "bare torch.cuda.Event.synchronize() in a waiting thread"
+BUDGET = "the 100 us budget (a fixed figure)"
 
 
 def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRecord]:
@@ -60,155 +93,355 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
     say = progress or (lambda _msg: None)
     try:
         import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
+    except ImportError:
         say("gpu: torch is not importable; the gpu benchmark did NOT run")
         return []
     if not torch.cuda.is_available():
         say("gpu: no CUDA device on this machine; the gpu benchmark did NOT run")
         return []
-    say(f"gpu: {torch.cuda.get_device_name()}")
-    batch_bytes = (16 if quick else 64) << 20
-    repeats = 5 if quick else 20
+    say(f"gpu: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    settings = _Settings(quick)
     records: list[BenchRecord] = []
-    for page in PAGE_SIZES:
-        pages = batch_bytes // page
-        with _pinned_region(4 * pages, page) as region:
-            records += _page_cases(region, page, pages, repeats, say)
-    records += _bridge_cases(quick, say)
+    measured: dict[str, list[_PathSpeeds]] = {"D2H": [], "H2D": []}
+    for page in settings.page_sizes:
+        pages = settings.batch_bytes // page
+        with _pinned_region(2 * pages, page) as region:
+            if not region.is_cuda_registered:
+                say("gpu: cudaHostRegister failed: pageable host memory, no Triton path")
+            for to_host in (True, False):
+                speeds, found = _page_cases(region, page, pages, to_host, settings, say)
+                records += found
+                if speeds is not None:
+                    measured[_direction(to_host)].append(speeds)
+    if quick:
+        say("gpu: quick run: no crossover (too few page sizes), no verdicts")
+    else:
+        records += [_crossover_record(name, speeds, say) for name, speeds in measured.items()]
+    records += _bridge_cases(settings, say)
     return records
 
 
+@dataclass(frozen=True)
+class _Settings:
+    quick: bool
+
+    @property
+    def page_sizes(self) -> tuple[int, ...]:
+        return QUICK_PAGE_SIZES if self.quick else PAGE_SIZES
+
+    @property
+    def batch_bytes(self) -> int:
+        return (16 if self.quick else 64) << 20
+
+    @property
+    def repeats(self) -> int:
+        return QUICK_REPEATS if self.quick else REPEATS
+
+    @property
+    def rounds(self) -> int:
+        return QUICK_BRIDGE_ROUNDS if self.quick else BRIDGE_ROUNDS
+
+    def target(self, value: float | None) -> float | None:
+        """No verdict from a quick run."""
+        return None if self.quick else value
+
+
+@dataclass(frozen=True)
+class _PathSpeeds:
+    """GB/s of both paths on the scattered batch of one page size, one direction."""
+
+    page: int
+    triton: float
+    engine: float
+
+
+# -- transfers ----------------------------------------------------------------------
+
+
 def _page_cases(
-    region: SharedRegion, page: int, pages: int, repeats: int, say: Callable[[str], None]
-) -> list[BenchRecord]:
+    region: SharedRegion,
+    page: int,
+    pages: int,
+    to_host: bool,
+    settings: _Settings,
+    say: Callable[[str], None],
+) -> tuple[_PathSpeeds | None, list[BenchRecord]]:
     import torch
 
     capacity = region.num_slots
     cache = torch.randint(0, 256, (capacity, page), dtype=torch.uint8, device="cuda")
     kv = canonicalize({"cache": cache})
     host = HostSlots.from_region(region)
-    if not host.pinned:
-        say("gpu: cudaHostRegister failed; host memory is pageable (slow, no Triton path)")
-    rng = np.random.default_rng(page)
-    gpu = GPUSpec.of(rng.permutation(capacity)[:pages])
-    cpu = CPUSpec.of(rng.permutation(capacity)[:pages])
     total = pages * page
     device_flat, host_flat = cache.view(-1)[:total], host.flat()[:total]
+
+    def contiguous() -> None:
+        if to_host:
+            host_flat.copy_(device_flat, non_blocking=True)
+        else:
+            device_flat.copy_(host_flat, non_blocking=True)
+        torch.cuda.synchronize()
+
+    reference = total / _best(contiguous, settings.repeats) / 1e9
+    case = f"{_direction(to_host)} {_size(page)}"
+    say(f"gpu: {case}: one contiguous Tensor.copy_ {reference:.1f} GB/s")
+    rng = np.random.default_rng(page + to_host)
+    ids = {
+        "contiguous": (GPUSpec.of(range(pages)), CPUSpec.of(range(pages))),
+        "scattered": (
+            GPUSpec.of(rng.permutation(capacity)[:pages]),
+            CPUSpec.of(rng.permutation(capacity)[:pages]),
+        ),
+    }
     bridge = EventBridge(name="bench")
-    records: list[BenchRecord] = []
-    for to_host, name in ((True, "D2H"), (False, "H2D")):
-        specs: tuple[Any, Any] = (gpu, cpu) if to_host else (cpu, gpu)
-
-        def contiguous(to_host: bool = to_host) -> None:
-            if to_host:
-                host_flat.copy_(device_flat, non_blocking=True)
-            else:
-                device_flat.copy_(host_flat, non_blocking=True)
-            torch.cuda.synchronize()
-
-        reference = total / _best(contiguous, repeats) / 1e9
-        case = f"{name} {_size(page)}"
-        engine_gbps = 0.0
-        for use_cudart in (True, False):
-            engine = CudaCopyHandler(
-                kv, host, to_host=to_host, bridge=bridge, use_triton=False, use_cudart=use_cudart
-            )
-            path = engine.copy_engine_path
-            gbps = total / _best(functools.partial(engine.execute, *specs), repeats) / 1e9
-            engine.close()
-            engine_gbps = engine_gbps or gbps  # the default path is the first one
-            say(f"gpu: {case}: copy engine via {path} {gbps:.1f} GB/s, contiguous {reference:.1f}")
+    gbps = functools.partial(_gbps, kv, host, to_host, bridge, total, settings.repeats)
+    target = settings.target(COPY_TARGET if page >= COPY_TARGET_FROM else None)
+    records = []
+    try:
+        speeds = {}
+        for pattern, (gpu, cpu) in ids.items():
+            specs = (gpu, cpu) if to_host else (cpu, gpu)
+            speeds[pattern] = gbps(specs, use_triton=False)
+            say(f"gpu: {case} {pattern}: copy engine {speeds[pattern]:.1f} GB/s")
             records.append(
-                throughput_record(
-                    "gpu",
-                    f"{case} copy engine ({path})",
-                    "GB/s",
-                    gbps,
-                    reference=reference,
-                    reference_name=CONTIGUOUS,
-                    target=COPY_TARGET if page >= COPY_TARGET_FROM else None,
-                    unit="GB/s",
-                )
+                _throughput(f"{case} {pattern} copy engine", speeds[pattern], reference, target)
             )
-            if path == "torch copy_":
-                break  # cudaMemcpyAsync unavailable: the two runs would be the same
-        if page < TRITON_THRESHOLD and host.pinned:
-            kernel = CudaCopyHandler(kv, host, to_host=to_host, bridge=bridge, use_triton=True)
-            triton_gbps = total / _best(functools.partial(kernel.execute, *specs), repeats) / 1e9
-            kernel.close()
-            say(f"gpu: {case}: triton {triton_gbps:.1f} GB/s")
-            records.append(
-                throughput_record(
-                    "gpu",
-                    f"{case} triton",
-                    "GB/s",
-                    triton_gbps,
-                    reference=engine_gbps,
-                    reference_name=COPY_ENGINE,
-                    unit="GB/s",
-                )
+        gpu, cpu = ids["scattered"]
+        specs = (gpu, cpu) if to_host else (cpu, gpu)
+        torch_copy = gbps(specs, use_triton=False, use_cudart=False)
+        records.append(
+            _throughput(f"{case} scattered copy engine (Tensor.copy_ runs)", torch_copy, reference)
+        )
+        if not host.pinned:
+            return None, records
+        triton = gbps(specs, use_triton=True)
+        engine = speeds["scattered"]
+        say(f"gpu: {case} scattered: triton {triton:.1f} GB/s, copy engine {engine:.1f} GB/s")
+        records.append(
+            throughput_record(
+                "gpu",
+                f"{case} scattered triton",
+                "GB/s",
+                triton,
+                reference=engine,
+                reference_name=COPY_ENGINE,
+                unit="GB/s",
             )
-    bridge.close()
-    return records
+        )
+        records.append(_choice_record(kv, host, to_host, bridge, case, triton, engine, settings))
+        return _PathSpeeds(page, triton, engine), records
+    finally:
+        bridge.close()
 
 
-def _bridge_cases(quick: bool, say: Callable[[str], None]) -> list[BenchRecord]:
-    """Launch-to-wake-up time through each bridge strategy vs a blocking synchronize."""
-    import anyio
+def _gbps(
+    kv: CanonicalKV,
+    host: HostSlots,
+    to_host: bool,
+    bridge: EventBridge,
+    total: int,
+    repeats: int,
+    specs: tuple[Any, Any],
+    **options: Any,
+) -> float:
+    handler = CudaCopyHandler(kv, host, to_host=to_host, bridge=bridge, **options)
+    try:
+        return total / _best(functools.partial(handler.execute, *specs), repeats) / 1e9
+    finally:
+        handler.close()
+
+
+def _throughput(
+    case: str, gbps: float, reference: float, target: float | None = None
+) -> BenchRecord:
+    return throughput_record(
+        "gpu", case, "GB/s", gbps, reference=reference, reference_name=CONTIGUOUS,
+        target=target, unit="GB/s",
+    )  # fmt: skip
+
+
+def _choice_record(
+    kv: CanonicalKV,
+    host: HostSlots,
+    to_host: bool,
+    bridge: EventBridge,
+    case: str,
+    triton: float,
+    engine: float,
+    settings: _Settings,
+) -> BenchRecord:
+    """The path a default handler picks for these pages, against the faster one."""
+    handler = CudaCopyHandler(kv, host, to_host=to_host, bridge=bridge)
+    chose_triton = handler.uses_triton
+    handler.close()
+    chosen = triton if chose_triton else engine
+    return throughput_record(
+        "gpu",
+        f"{case} default path ({'triton' if chose_triton else 'copy engine'})",
+        "GB/s",
+        chosen,
+        reference=max(triton, engine),
+        reference_name=FASTER,
+        target=settings.target(CHOICE_TARGET),
+        unit="GB/s",
+    )
+
+
+def crossover(sizes: Sequence[int], triton: Sequence[float], engine: Sequence[float]) -> int | None:
+    """The smallest size from which the copy engine is at least as fast as Triton at that
+    size and every larger one (sizes ascending); None when Triton wins at the largest."""
+    found = None
+    for size, t, e in reversed(list(zip(sizes, triton, engine, strict=True))):
+        if e < t:
+            break
+        found = size
+    return found
+
+
+def _crossover_record(
+    direction: str, speeds: list[_PathSpeeds], say: Callable[[str], None]
+) -> BenchRecord:
+    size = crossover(
+        [s.page for s in speeds], [s.triton for s in speeds], [s.engine for s in speeds]
+    )
+    text = "none (Triton wins at every size)" if size is None else f"from {_size(size)}"
+    say(f"gpu: {direction} crossover, copy engine >= Triton: {text}")
+    return BenchRecord(
+        "gpu",
+        f"{direction} crossover: copy engine >= Triton {text}",
+        "page_bytes",
+        float(size or 0),
+        reference=float(DEFAULT_TRITON_THRESHOLD),
+        reference_name=THRESHOLD,
+        unit="B",
+    )
+
+
+# -- the event bridge ---------------------------------------------------------------
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``samples``, nearest rank."""
+    if not samples:
+        raise ValueError("no samples")
+    ordered = sorted(samples)
+    rank = min(len(ordered), max(1, math.ceil(len(ordered) * q / 100)))
+    return ordered[rank - 1]
+
+
+def _launch() -> tuple[Any, Any, float]:
+    """GPU work between two timing events (the second is the one to wait on), and the
+    time just before the launch (the work cannot end before that plus its duration)."""
     import torch
 
-    rounds = 20 if quick else 200
-    cycles = 200_000  # ~0.1 ms of GPU time: the wait is real, not already complete
+    launched = time.perf_counter()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    torch.cuda._sleep(BRIDGE_SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+    end.record()
+    return start, end, launched
 
-    def launch() -> torch.cuda.Event:
-        torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record()
-        return event
 
-    def blocking() -> float:
-        start = time.perf_counter()
-        launch().synchronize()
-        return time.perf_counter() - start
+def _wake_us(start: Any, end: Any, launched: float, woke: float) -> float:
+    gpu_ms: float = start.elapsed_time(end)
+    return max(MIN_WAKE_US, (woke - launched - gpu_ms / 1e3) * 1e6)
+
+
+def _reference_wakes(rounds: int) -> list[float]:
+    """A bare ``synchronize()`` in a waiting thread: when does it return?"""
+    requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    replies: queue.SimpleQueue[float] = queue.SimpleQueue()
+
+    def waiter() -> None:
+        while (event := requests.get()) is not None:
+            event.synchronize()
+            replies.put(time.perf_counter())
+
+    thread = threading.Thread(target=waiter, name="kvtier-bench-sync", daemon=True)
+    thread.start()
+    samples = []
+    try:
+        for _ in range(rounds):
+            start, end, launched = _launch()
+            requests.put(end)
+            woke = replies.get(timeout=10.0)
+            samples.append(_wake_us(start, end, launched, woke))
+    finally:
+        requests.put(None)
+        thread.join(10.0)
+    return samples
+
+
+def _bridge_wakes(strategy: BridgeStrategy, backend: str, rounds: int) -> list[float]:
+    import anyio
+
+    bridge = EventBridge(strategy, name="bench")
+
+    async def measure() -> list[float]:
+        samples = []
+        for _ in range(rounds):
+            start, end, launched = _launch()
+            with anyio.fail_after(10.0):
+                await bridge.wait(end)
+            samples.append(_wake_us(start, end, launched, time.perf_counter()))
+        return samples
+
+    try:
+        return anyio.run(measure, backend=backend)
+    finally:
+        bridge.close()
+        bridge.join(10.0)
+
+
+def _backends() -> list[str]:
+    try:
+        import trio  # noqa: F401
+    except ImportError:
+        return ["asyncio"]
+    return ["asyncio", "trio"]
+
+
+def _bridge_cases(settings: _Settings, say: Callable[[str], None]) -> list[BenchRecord]:
+    import torch
 
     torch.cuda.synchronize()
-    reference = statistics.median(blocking() for _ in range(rounds))
+    _reference_wakes(10)  # warm up: the thread, the events, the sleep kernel
+    reference = _reference_wakes(settings.rounds)
+    ref50, ref99 = percentile(reference, 50), percentile(reference, 99)
+    say(f"gpu: bare synchronize in a thread: wake p50 {ref50:.1f} us, p99 {ref99:.1f} us")
     records = []
-    for strategy in (BridgeStrategy.THREAD, BridgeStrategy.POLL):
-        bridge = EventBridge(strategy, name="bench")
-
-        async def measure(bridge: EventBridge = bridge) -> float:
-            samples = []
-            for _ in range(rounds):
-                start = time.perf_counter()
-                await bridge.wait(launch())
-                samples.append(time.perf_counter() - start)
-            return statistics.median(samples)
-
-        ours = anyio.run(measure)
-        bridge.close()
-        say(
-            f"gpu: bridge {strategy.value}: {ours * 1e6:.0f} us launch-to-wake-up, "
-            f"blocking synchronize {reference * 1e6:.0f} us"
-        )
-        records.append(
-            latency_record(
-                "gpu",
-                f"bridge {strategy.value}",
-                "completion_us",
-                ours * 1e6,
-                reference=reference * 1e6,
-                reference_name=SYNCHRONIZE,
-                unit="us",
-            )
-        )
+    for backend in _backends():
+        for strategy in (BridgeStrategy.THREAD, BridgeStrategy.POLL):
+            ours = _bridge_wakes(strategy, backend, settings.rounds)
+            p50, p99 = percentile(ours, 50), percentile(ours, 99)
+            case = f"bridge {strategy.value} ({backend})"
+            say(f"gpu: {case}: wake p50 {p50:.1f} us, p99 {p99:.1f} us")
+            records += [
+                latency_record(
+                    "gpu", f"{case} p50", "wake_us", p50, reference=ref50,
+                    reference_name=SYNCHRONIZE, unit="us",
+                ),
+                latency_record(
+                    "gpu", f"{case} p99", "wake_us", p99, reference=ref99,
+                    reference_name=SYNCHRONIZE, unit="us",
+                ),
+                latency_record(
+                    "gpu", f"{case} p99 budget", "wake_us", p99,
+                    reference=BRIDGE_P99_BUDGET_US, reference_name=BUDGET,
+                    target=settings.target(1.0), unit="us",
+                ),
+            ]  # fmt: skip
     return records
+
+
+# -- helpers ------------------------------------------------------------------------
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:
     import torch
 
-    fn()  # warm up
+    fn()  # warm up (and compile the kernel)
     torch.cuda.synchronize()
     best = float("inf")
     for _ in range(repeats):
@@ -233,6 +466,10 @@ def _pinned_region(num_slots: int, slot_bytes: int) -> Iterator[SharedRegion]:
             yield region
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _direction(to_host: bool) -> str:
+    return "D2H" if to_host else "H2D"
 
 
 def _size(nbytes: int) -> str:

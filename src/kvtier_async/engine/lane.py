@@ -4,6 +4,10 @@ Reads (loads, promotions, lookups) and writes (stores, cascades) wait in two bou
 object streams. Every queued job also drops one token into a doorbell stream, so a worker
 that takes a token always finds a job, and takes a read before any write: reads go first
 when both wait. Stores are best-effort and may wait; loads are what a request waits for.
+
+A job that fails whole is logged once per `_WARN_INTERVAL_S` per lane (`RateLimited`: while a
+circuit is open every job fails, and one line per job would flood the log); the lines not
+logged are counted in `LaneStatistics.warnings_suppressed`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from kvtier_async._log import get_logger
+from kvtier_async._log import RateLimited, get_logger
 
 from .jobs import Job, JobHandle, JobResult
 
@@ -24,6 +28,7 @@ __all__ = ["Executor", "Lane", "LaneStatistics"]
 log = get_logger(__name__)
 
 _BATCH = 32
+_WARN_INTERVAL_S = 10.0
 
 Executor = Callable[[Job], Awaitable[tuple[Sequence[bool], int]]]
 """Runs a job; returns per-key success and the bytes moved. Raises if the job failed whole."""
@@ -42,6 +47,7 @@ class LaneStatistics:
     keys_failed: int
     bytes: int
     busy_s: float
+    warnings_suppressed: int = 0  # "job failed" lines not logged (rate-limited)
 
     @property
     def gbps(self) -> float:
@@ -68,6 +74,7 @@ class Lane:
         self._running = self._completed = self._failed = self._cancelled = 0
         self._keys_ok = self._keys_failed = self._bytes = 0
         self._busy_s = 0.0
+        self._warn = RateLimited(log, _WARN_INTERVAL_S)
 
     # --- submission --------------------------------------------------------------------
 
@@ -148,7 +155,7 @@ class Lane:
             self._finish(handle, JobResult.cancelled_result(job), start)
             raise
         except Exception as exc:
-            log.warning(
+            self._warn(
                 "job failed",
                 lane=self.name,
                 job_id=job.job_id,
@@ -237,4 +244,5 @@ class Lane:
             self._keys_failed,
             self._bytes,
             self._busy_s,
+            self._warn.suppressed,
         )

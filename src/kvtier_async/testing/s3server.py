@@ -9,6 +9,8 @@
 
 `stop` closes the listening socket, so new connections are refused (moto's own
 ``ThreadedMotoServer.stop`` leaves it bound: connections would hang in the backlog instead).
+`pause` (a child process only) stops it with SIGSTOP: connections are accepted by the kernel
+and never answered, a hung endpoint; `resume` sends SIGCONT.
 Control requests (`create_bucket`, `reset`, `set_auth`) use moto's HTTP API with the standard
 library, so they work in both modes. Any credentials are accepted until `set_auth` turns on
 moto's IAM checks.
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -69,12 +73,27 @@ class MotoS3Server:
                 server._server.server_close()  # moto leaves the listening socket open
         if self._process is not None:
             process, self._process = self._process, None
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)  # a paused child cannot end otherwise
             process.terminate()
             try:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+    def pause(self) -> None:
+        """Stop the child process with SIGSTOP: it accepts connections and answers nothing."""
+        os.kill(self._child().pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused child process run again (SIGCONT); harmless when it is not paused."""
+        os.kill(self._child().pid, signal.SIGCONT)
+
+    def _child(self) -> subprocess.Popen[bytes]:
+        if self._process is None:
+            raise RuntimeError(f"{self!r}: only a running child process can pause")
+        return self._process
 
     def restart(self) -> None:
         """Stop, then serve again on the same port."""

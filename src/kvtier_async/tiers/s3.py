@@ -15,9 +15,12 @@ SigV4 already covers the payload over plain HTTP).
 request whether or not the object exists. An existing object answers 412 and is left alone;
 the key counts as stored ("skipped"). New blocks are the usual case, and for them this saves
 the HEAD of HEAD-then-PUT: on moto, 2x the store throughput at 256 KiB and 1.1x at 2 MiB. A
-duplicate costs an upload instead of a HEAD, unless the store refuses it at botocore's
-``Expect: 100-continue``, before the body (moto does not). A store that answers 501 to
-conditional PUTs switches the tier to HEAD-then-PUT, once.
+duplicate costs an upload instead of a HEAD. botocore asks for ``Expect: 100-continue`` on
+every PUT whose body looks like a file; a hook on ``before-sign.s3.PutObject`` removes it,
+because aiohttp waits for the ``100 Continue`` with no timeout running (neither connect nor
+read), so an endpoint that accepted the connection and went silent held the PUT, its pinned
+CPU slot and the engine's drain forever. A store that answers 501 to conditional PUTs
+switches the tier to HEAD-then-PUT, once.
 
 *Load* GETs the object and streams the body chunk by chunk straight into the slot's memory
 (the header page into a small buffer): no whole-object copy. Length and checksums are verified
@@ -25,23 +28,43 @@ before the key is reported loaded. A corrupt object (wrong length, bad header, w
 payload checksum) fails its key and is deleted, so later lookups answer False; a missing one
 fails its key. *Lookup* HEADs each key; keys run concurrently, up to ``max_concurrency``.
 
+*Deadlines.* Every attempt of every request ends within ``timeout_s``, all of it: connect,
+send, first byte and the whole body (a GET's body is read inside the attempt). botocore's
+connect and read timeouts are set too, but they time single socket waits only, so the
+attempt runs in `anyio.move_on_after` as well; whatever aiohttp or botocore waits for inside,
+the attempt ends as `RequestTimeoutError`. A request and its retries get ``2 * timeout_s`` in
+all (from its first attempt: a wait for a `max_concurrency` token does not count), except a
+lookup's HEAD, which gets ``lookup_timeout_s`` (default ``min(1.0, timeout_s)``) in all: a
+lookup that does not answer in time is a miss, counted in ``lookup_timeouts``. The breaker's
+probe gets ``min(timeout_s, lookup_timeout_s)``. ``aclose`` waits at most ``timeout_s``, so
+a failed ``open`` returns within ``3 * timeout_s`` (its probe's budget, then the close).
+
 *Failures.* Every request holds one token of an `anyio.CapacityLimiter` of ``max_concurrency``.
 Throttling (429, 503 SlowDown), other 5xx, timeouts and connection errors are retried up to
-``retries`` times with capped exponential backoff and full jitter; botocore's own retries are
-off. Connection errors and timeouts also feed a circuit breaker: after ``breaker_threshold``
-consecutive ones it opens for ``breaker_open_s``. While it is open, ``lookup`` answers all
-False at once and ``store``/``load`` raise `CircuitOpenError`, with no I/O, so a dead endpoint
-costs the engine nothing. Then the next call sends one probe (HEAD bucket): an answer closes
-the circuit, a connection error opens it again. The clock is injectable for tests.
+``retries`` times with capped exponential backoff and full jitter, within the budget above;
+botocore's own retries are off. Connection errors and timeouts also feed a circuit breaker:
+after ``breaker_threshold`` consecutive failures, or ``breaker_timeouts`` timeouts without an
+answer in between, it opens for ``breaker_open_s`` (a refused connection costs nothing, a
+timeout costs ``timeout_s``: two are enough to know). A request whose attempt failed while
+the circuit opened is not retried. While it is open, ``lookup`` answers all False at once and
+``store``/``load`` raise `CircuitOpenError`, with no I/O, so a dead endpoint costs the engine
+nothing. Then the next call sends one probe (HEAD bucket): an answer closes the circuit, a
+connection error or a timeout opens it again. The clock is injectable for tests. Per-key
+warnings (``obj store failed``, ...) are rate-limited (`RateLimited`: one line per event per
+10 s, then a count); ``warnings_suppressed`` counts the lines not logged.
 
 *Start-up.* ``open`` creates one aioboto3 session and S3 client (closed by ``aclose``) and
 probes the bucket, raising a `TierOpenError` subclass that says what to fix:
 `EndpointUnreachableError` (a `ConnectionError`), `BucketNotFoundError` (a `LookupError`),
 `AccessDeniedError` (a `PermissionError`: credentials rejected, or access denied). Empty
-``access_key``/``secret_key`` use the standard AWS credential chain.
+``access_key``/``secret_key`` use the standard AWS credential chain (environment, profile,
+instance role): the documented way, since hosts log their configuration (``vllm serve`` logs
+``kv_connector_extra_config`` among its non-default arguments). Credentials given inline are
+accepted, with one warning at ``open`` that names the fields, never their values.
 
 *Secrets* are held as `Secret` and never reach a repr, a log line, the statistics, a config
-dump (`S3Config.as_dict`) or an error message (texts from botocore are scrubbed of them too).
+dump (`S3Config.as_dict`) or an error message (texts from botocore are scrubbed of them too;
+`kvtier_async.config` never echoes the value of a secret field, even one of the wrong type).
 botocore's own DEBUG logging, which the host controls, prints request headers: the access key
 id and a session token appear there, as with any boto3 program.
 
@@ -57,6 +80,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import math
 import random
 import time
 import urllib.parse
@@ -75,7 +99,7 @@ from aiohttp.abc import AbstractStreamWriter
 from botocore import exceptions as boto_errors  # type: ignore[import-untyped]
 from botocore.config import Config as BotoConfig  # type: ignore[import-untyped]
 
-from kvtier_async._log import get_logger
+from kvtier_async._log import RateLimited, get_logger
 from kvtier_async.config import ConfigError, Section
 from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics, block_relpath
 
@@ -89,6 +113,7 @@ __all__ = [
     "BucketNotFoundError",
     "CircuitOpenError",
     "EndpointUnreachableError",
+    "RequestTimeoutError",
     "S3Config",
     "S3Tier",
     "S3TierStatistics",
@@ -102,11 +127,15 @@ T = TypeVar("T")
 
 DEFAULT_MAX_CONCURRENCY: Final = 16
 DEFAULT_TIMEOUT_S: Final = 5.0
+DEFAULT_LOOKUP_TIMEOUT_S: Final = 1.0  # at most; never more than timeout_s by default
 DEFAULT_RETRIES: Final = 3
 DEFAULT_BREAKER_THRESHOLD: Final = 5
+DEFAULT_BREAKER_TIMEOUTS: Final = 2
 DEFAULT_BREAKER_OPEN_S: Final = 5.0
 DEFAULT_BACKOFF_S: Final = 0.05
 _BACKOFF_CAP_S: Final = 2.0
+_BUDGET_TIMEOUTS: Final = 2  # a request and its retries: 2 * timeout_s in all
+_WARN_INTERVAL_S: Final = 10.0
 _SEND_CHUNK: Final = 256 * 1024  # slices handed to aiohttp: bounds its transport buffer
 _DEFAULT_ENDPOINT_REGION: Final = "us-east-1"
 
@@ -114,7 +143,8 @@ _DEFAULT_ENDPOINT_REGION: Final = "us-east-1"
 _VLLM_FIELDS: Final = ("bucket", "endpoint_override", "access_key", "secret_key",
                        "session_token", "region", "scheme", "ca_bundle")  # fmt: skip
 _CONFIG_KEYS: Final = ("type", "name", *_VLLM_FIELDS, "prefix", "max_concurrency",
-                       "timeout_s", "retries", "store_config", "io_threads")  # fmt: skip
+                       "timeout_s", "lookup_timeout_s", "retries", "store_config",
+                       "io_threads")  # fmt: skip
 
 _RETRY_CODES: Final = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "TooManyRequests",
@@ -125,6 +155,11 @@ _CREDENTIAL_CODES: Final = frozenset({
     "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
     "TokenRefreshRequired", "InvalidClientTokenId", "AuthorizationHeaderMalformed",
 })  # fmt: skip
+_TIMEOUTS: Final = (
+    TimeoutError,  # ours (RequestTimeoutError), asyncio's
+    boto_errors.ConnectTimeoutError,
+    boto_errors.ReadTimeoutError,
+)
 _CONNECTION_ERRORS: Final = (
     boto_errors.ConnectionError,  # refused, connect timeout, TLS, proxy
     boto_errors.HTTPClientError,  # read timeout, connection closed, body stream broken
@@ -161,6 +196,10 @@ class BucketNotFoundError(TierOpenError, LookupError):
 
 class CircuitOpenError(ConnectionError):
     """The endpoint is unreachable and the circuit is open: the call failed without I/O."""
+
+
+class RequestTimeoutError(TimeoutError):
+    """One attempt of a request got no complete answer within its deadline."""
 
 
 # -- configuration -----------------------------------------------------------------------------
@@ -211,6 +250,7 @@ class S3Config:
     prefix: str = ""
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY
     timeout_s: float = DEFAULT_TIMEOUT_S
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
     retries: int = DEFAULT_RETRIES
     path: str = ""  # where the config came from (``secondary_tiers[1]``), for messages
 
@@ -234,6 +274,8 @@ class S3Config:
         url_scheme, host = _split_endpoint(text("endpoint_override"), endpoint_section)
         scheme = _scheme(owner.get("scheme", section), url_scheme, bool(host))
         access_key, secret_key, session_token = _credentials(section, owner)
+        timeout_s = section.get_float("timeout_s", DEFAULT_TIMEOUT_S, low=0.001, high=3600.0)
+        lookup_default = min(DEFAULT_LOOKUP_TIMEOUT_S, timeout_s)
         return cls(
             bucket=bucket,
             endpoint_override=host,
@@ -245,7 +287,10 @@ class S3Config:
             ca_bundle=text("ca_bundle"),
             prefix=section.get_str("prefix", "", allow_empty=True).strip("/"),
             max_concurrency=_max_concurrency(section),
-            timeout_s=section.get_float("timeout_s", DEFAULT_TIMEOUT_S, low=0.001, high=3600.0),
+            timeout_s=timeout_s,
+            lookup_timeout_s=section.get_float(
+                "lookup_timeout_s", lookup_default, low=0.001, high=3600.0
+            ),
             retries=section.get_int("retries", DEFAULT_RETRIES, low=0, high=20),
             path=section.path,
         )
@@ -279,8 +324,16 @@ class S3Config:
             "prefix": self.prefix,
             "max_concurrency": self.max_concurrency,
             "timeout_s": self.timeout_s,
+            "lookup_timeout_s": self.lookup_timeout_s,
             "retries": self.retries,
         }
+
+    @property
+    def inline_credentials(self) -> list[str]:
+        """The credential fields set in the config itself (not the AWS chain), by name."""
+        secrets = ("access_key", self.access_key), ("secret_key", self.secret_key), (
+            "session_token", self.session_token)  # fmt: skip
+        return [self.field(key) for key, value in secrets if value]
 
 
 def _field_owners(section: Section) -> dict[str, Section]:
@@ -361,16 +414,21 @@ def from_config(section: Section, name: str, ctx: TierContext) -> S3Tier:
 
 
 class _Breaker:
-    """Opens after ``threshold`` consecutive connection failures; after ``open_s`` one probe
-    decides. States: closed (calls pass), open (calls are rejected), probing (one probe runs,
-    other calls are rejected). Plain synchronous bookkeeping; the tier does the I/O."""
+    """Opens after ``threshold`` consecutive connection failures, or ``timeouts`` timeouts
+    without an answer in between; after ``open_s`` one probe decides. States: closed (calls
+    pass), open (calls are rejected), probing (one probe runs, other calls are rejected).
+    Plain synchronous bookkeeping; the tier does the I/O."""
 
-    def __init__(self, threshold: int, open_s: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, threshold: int, open_s: float, clock: Callable[[], float], timeouts: int
+    ) -> None:
         self.threshold = threshold
+        self.timeout_threshold = timeouts
         self.open_s = open_s
         self.clock = clock
         self.state = "closed"
         self.failures = 0
+        self.timeouts = 0
         self.opened_at = 0.0
         self.opens = 0
 
@@ -388,14 +446,17 @@ class _Breaker:
 
     def succeeded(self) -> bool:
         """The endpoint answered; True when that closed the circuit."""
-        self.failures = 0
+        self.failures = self.timeouts = 0
         reopened, self.state = self.state != "closed", "closed"
         return reopened
 
-    def failed(self) -> bool:
-        """A connection failure; True when it opened the circuit."""
+    def failed(self, *, timeout: bool = False) -> bool:
+        """A connection failure (``timeout``: no answer in time); True when it opened the
+        circuit."""
         self.failures += 1
-        if self.state == "probing" or (self.state == "closed" and self.failures >= self.threshold):
+        self.timeouts += timeout
+        tripped = self.failures >= self.threshold or self.timeouts >= self.timeout_threshold
+        if self.state == "probing" or (self.state == "closed" and tripped):
             self.state, self.opened_at = "open", self.clock()
             self.opens += 1
             return True
@@ -412,7 +473,8 @@ class _Breaker:
 
 class _Failure(Enum):
     RETRY = "retry"  # throttled or a server error: retry
-    CONNECTION = "connection"  # no answer: retry, and count towards the breaker
+    CONNECTION = "connection"  # no connection: retry, and count towards the breaker
+    TIMEOUT = "timeout"  # no answer in time: the same, and trips the breaker sooner
     FINAL = "final"  # an answer that retrying will not change
 
 
@@ -425,13 +487,17 @@ class S3TierStatistics(TierStatistics):
     retries: int = 0  # requests sent again after throttling, 5xx or a connection error
     circuit_state: str = "closed"  # closed, open or probing
     circuit_opens: int = 0
+    timeouts: int = 0  # attempts (and probes) that got no complete answer in time
+    lookup_timeouts: int = 0  # lookup keys answered as misses because the HEAD timed out
+    warnings_suppressed: int = 0  # rate-limited warning lines not logged
 
 
 class S3Tier(SecondaryTier):
     """Blocks as objects in an S3-compatible bucket (see the module docstring).
 
-    ``breaker_threshold``, ``breaker_open_s``, ``backoff_s`` (the first retry's maximum
-    delay) and ``clock`` (the breaker's, monotonic seconds) are for tuning and tests.
+    ``breaker_threshold``, ``breaker_timeouts``, ``breaker_open_s``, ``backoff_s`` (the first
+    retry's maximum delay) and ``clock`` (the breaker's, monotonic seconds) are for tuning
+    and tests.
     """
 
     kind = "obj"
@@ -443,14 +509,18 @@ class S3Tier(SecondaryTier):
         config: S3Config,
         *,
         breaker_threshold: int = DEFAULT_BREAKER_THRESHOLD,
+        breaker_timeouts: int = DEFAULT_BREAKER_TIMEOUTS,
         breaker_open_s: float = DEFAULT_BREAKER_OPEN_S,
         backoff_s: float = DEFAULT_BACKOFF_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(name, ctx, config.max_concurrency, config.max_concurrency)
         self.config = config
-        self._breaker = _Breaker(breaker_threshold, breaker_open_s, clock)
+        self._breaker = _Breaker(breaker_threshold, breaker_open_s, clock, breaker_timeouts)
         self._backoff_s = backoff_s
+        self._budget_s = _BUDGET_TIMEOUTS * config.timeout_s
+        self._probe_s = min(config.timeout_s, config.lookup_timeout_s)
+        self._warn = RateLimited(log, _WARN_INTERVAL_S)
         self._limiter = anyio.CapacityLimiter(config.max_concurrency)
         self._stack: AsyncExitStack | None = None
         self._client: Any = None
@@ -459,7 +529,8 @@ class S3Tier(SecondaryTier):
         self._scrub = _Scrubber(config.access_key, config.secret_key, config.session_token)
         self._counts = dict.fromkeys(
             ("stored", "skipped", "loaded", "written", "read", "store_failures",
-             "load_failures", "lookups", "hits", "corrupt", "retries"), 0)  # fmt: skip
+             "load_failures", "lookups", "hits", "corrupt", "retries", "timeouts",
+             "lookup_timeouts"), 0)  # fmt: skip
 
     def __repr__(self) -> str:
         where = self.config.endpoint_url or "AWS"
@@ -495,6 +566,15 @@ class S3Tier(SecondaryTier):
                 await stack.aclose()
             raise
         self._stack = stack
+        if inline := self.config.inline_credentials:
+            log.warning(
+                "obj tier credentials are set inline in the config, where a host that logs its "
+                "configuration shows them (vllm serve does); prefer the standard AWS credential "
+                "chain: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment, a "
+                "profile (AWS_PROFILE), or an instance role",
+                tier=self.name,
+                fields=inline,
+            )
         log.info(
             "obj tier open",
             tier=self.name,
@@ -505,7 +585,7 @@ class S3Tier(SecondaryTier):
         )
 
     async def aclose(self) -> None:
-        """Close the client; idempotent."""
+        """Close the client, waiting at most ``timeout_s``; idempotent."""
         self._closed = True
         stack, self._stack, self._client = self._stack, None, None
         if stack is not None:
@@ -545,7 +625,7 @@ class S3Tier(SecondaryTier):
             user_agent_extra="kvtier-async",
         )
         try:
-            return await stack.enter_async_context(
+            client = await stack.enter_async_context(
                 session.client(
                     "s3",
                     endpoint_url=config.endpoint_url,
@@ -555,6 +635,8 @@ class S3Tier(SecondaryTier):
                     config=client_config,
                 )
             )
+            client.meta.events.register("before-sign.s3.PutObject", _no_expect_continue)
+            return client
         except boto_errors.NoRegionError:
             raise TierOpenError(
                 f"{config.field('region')}: empty, and the AWS configuration names no region"
@@ -605,8 +687,8 @@ class S3Tier(SecondaryTier):
         """HEAD answers 403 without a reason; a GET of a probe name tells which 403 it was."""
         config, code = self.config, ""
         probe = f"{config.prefix}/.kvtier-probe" if config.prefix else ".kvtier-probe"
-        with contextlib.suppress(Exception):  # without a reason, the 403 stands as it is
-            try:
+        with contextlib.suppress(Exception), anyio.move_on_after(config.timeout_s):
+            try:  # without a reason (or an answer), the 403 stands as it is
                 (await self.client.get_object(Bucket=config.bucket, Key=probe))["Body"].close()
             except boto_errors.ClientError as exc:
                 code = _code(exc)
@@ -670,13 +752,18 @@ class S3Tier(SecondaryTier):
             detail=(
                 f"s3://{self.config.bucket}/{self.config.prefix} at "
                 f"{self.config.endpoint_url or 'AWS'}; {put}; "
-                f"max_concurrency={self.config.max_concurrency} retries={self.config.retries}"
+                f"max_concurrency={self.config.max_concurrency} retries={self.config.retries} "
+                f"timeout_s={self.config.timeout_s:g} "
+                f"lookup_timeout_s={self.config.lookup_timeout_s:g}"
             ),
             blocks_skipped=counts["skipped"],
             corrupt_objects=counts["corrupt"],
             retries=counts["retries"],
             circuit_state=self._breaker.state,
             circuit_opens=self._breaker.opens,
+            timeouts=counts["timeouts"],
+            lookup_timeouts=counts["lookup_timeouts"],
+            warnings_suppressed=self._warn.suppressed,
         )
 
     def _require_open(self) -> None:
@@ -707,14 +794,15 @@ class S3Tier(SecondaryTier):
     # -- one key ------------------------------------------------------------------------------
 
     async def _lookup_one(self, key: bytes) -> bool:
+        """HEAD one key within ``lookup_timeout_s``, retries included; False on any failure."""
         try:
-            return await self._exists(self.object_name(key))
+            return await self._exists(self.object_name(key), self.config.lookup_timeout_s)
         except CircuitOpenError:
             return False
         except Exception as exc:
-            log.warning(
-                "obj lookup failed", tier=self.name, key=key.hex(), error=self._describe(exc)
-            )
+            if _classify(exc) is _Failure.TIMEOUT:
+                self._counts["lookup_timeouts"] += 1
+            self._log_failure("obj lookup failed", key, exc)
             return False
 
     async def _store_one(self, key: bytes, block: memoryview) -> bool:
@@ -757,7 +845,7 @@ class S3Tier(SecondaryTier):
         return True
 
     def _log_failure(self, event: str, key: bytes, exc: Exception) -> None:
-        level = log.debug if isinstance(exc, CircuitOpenError) else log.warning
+        level = log.debug if isinstance(exc, CircuitOpenError) else self._warn
         level(event, tier=self.name, key=key.hex(), error=self._describe(exc))
 
     # -- requests -----------------------------------------------------------------------------
@@ -765,10 +853,10 @@ class S3Tier(SecondaryTier):
     async def _head_bucket(self) -> Any:
         return await self.client.head_bucket(Bucket=self.config.bucket)
 
-    async def _exists(self, name: str) -> bool:
+    async def _exists(self, name: str, budget_s: float | None = None) -> bool:
         call = functools.partial(self.client.head_object, Bucket=self.config.bucket, Key=name)
         try:
-            await self._request(call)
+            await self._request(call, budget_s=budget_s)
         except boto_errors.ClientError as exc:
             if _status(exc) == 404:
                 return False
@@ -821,33 +909,70 @@ class S3Tier(SecondaryTier):
         try:
             await self._request(call)
         except Exception as exc:
-            log.warning("obj delete failed", tier=self.name, object=name, error=self._describe(exc))
+            self._warn("obj delete failed", tier=self.name, object=name, error=self._describe(exc))
 
-    async def _request(self, call: Callable[[], Awaitable[T]], *, gated: bool = True) -> T:
-        """``await call()`` under the limiter, retried; ``gated``: through the breaker."""
+    async def _request(
+        self,
+        call: Callable[[], Awaitable[T]],
+        *,
+        gated: bool = True,
+        budget_s: float | None = None,
+    ) -> T:
+        """``await call()`` under the limiter, each attempt within ``timeout_s``, retried
+        while ``budget_s`` (default ``2 * timeout_s``, from the first attempt) lasts;
+        ``gated``: through the breaker."""
+        budget = self._budget_s if budget_s is None else budget_s
+        deadline, error = math.inf, None
         for attempt in itertools.count():
             if gated:
                 await self._admit()
-            try:
-                async with self._limiter:
-                    result = await call()
-            except Exception as exc:
-                failure = _classify(exc)
-                if gated:
-                    self._observe(failure is _Failure.CONNECTION)
-                if failure is _Failure.FINAL or attempt >= self.config.retries:
-                    raise
-                if gated and self._breaker.state != "closed":
-                    raise
-                self._counts["retries"] += 1
-                await anyio.sleep(
-                    random.uniform(0, min(_BACKOFF_CAP_S, self._backoff_s * 2**attempt))
-                )
-            else:
-                if gated:
-                    self._observe(False)
-                return result
+            async with self._limiter:
+                now = anyio.current_time()
+                deadline = min(deadline, now + budget)
+                if error is not None and deadline <= now:
+                    raise error  # the budget went on waiting for a token
+                try:
+                    return await self._attempt(call, deadline - now)
+                except Exception as exc:
+                    pause = self._retry_pause(exc, attempt, deadline, gated)
+                    if pause is None:
+                        raise
+                    error = exc
+            self._counts["retries"] += 1
+            await anyio.sleep(pause)
         raise AssertionError("unreachable")
+
+    def _retry_pause(
+        self, error: Exception, attempt: int, deadline: float, gated: bool
+    ) -> float | None:
+        """Count and report a failed attempt; the backoff before the next one, or None
+        when it is not retried (final, the last, the circuit opened, no budget left)."""
+        failure = self._failed(error, gated)
+        pause = random.uniform(0, min(_BACKOFF_CAP_S, self._backoff_s * 2**attempt))
+        if (
+            failure is _Failure.FINAL
+            or attempt >= self.config.retries
+            or (gated and self._breaker.state != "closed")
+            or anyio.current_time() + pause >= deadline
+        ):
+            return None
+        return pause
+
+    async def _attempt(self, call: Callable[[], Awaitable[T]], seconds: float) -> T:
+        """``await call()``, all of it within ``min(timeout_s, seconds)``."""
+        seconds = min(seconds, self.config.timeout_s)
+        with anyio.move_on_after(seconds):
+            return await call()
+        raise RequestTimeoutError(f"no complete answer within {seconds:.3g} s")
+
+    def _failed(self, error: Exception, gated: bool) -> _Failure:
+        """Classify a failed attempt, count a timeout, and tell the breaker (``gated``)."""
+        failure = _classify(error)
+        if failure is _Failure.TIMEOUT:
+            self._counts["timeouts"] += 1
+        if gated:
+            self._observe(failure)
+        return failure
 
     # -- circuit breaker ----------------------------------------------------------------------
 
@@ -866,12 +991,12 @@ class S3Tier(SecondaryTier):
         )
 
     async def _probe(self) -> bool:
-        """One HEAD bucket after the open time: whether the endpoint answers again."""
+        """One HEAD bucket after the open time, within ``min(timeout_s, lookup_timeout_s)``:
+        whether the endpoint answers again."""
         try:
-            await self._head_bucket()
+            await self._attempt(self._head_bucket, self._probe_s)
         except Exception as exc:
-            if _classify(exc) is _Failure.CONNECTION:
-                self._breaker.failed()
+            if self._failed(exc, gated=True) in (_Failure.CONNECTION, _Failure.TIMEOUT):
                 log.info(
                     "obj endpoint still unreachable", tier=self.name, error=self._describe(exc)
                 )
@@ -879,19 +1004,21 @@ class S3Tier(SecondaryTier):
         except BaseException:
             self._breaker.abandon_probe()  # cancelled: no verdict, due again at once
             raise
-        self._observe(False)  # any answer, even an error, shows the endpoint is back
+        self._observe(None)  # any answer, even an error, shows the endpoint is back
         return True
 
-    def _observe(self, connection_failed: bool) -> None:
-        if not connection_failed:
+    def _observe(self, failure: _Failure | None) -> None:
+        """Tell the breaker how an attempt ended (None: it succeeded)."""
+        if failure not in (_Failure.CONNECTION, _Failure.TIMEOUT):
             if self._breaker.succeeded():
                 log.warning("obj endpoint reachable again; circuit closed", tier=self.name)
-        elif self._breaker.failed():
+        elif self._breaker.failed(timeout=failure is _Failure.TIMEOUT):
             log.warning(
                 "obj endpoint unreachable; circuit open",
                 tier=self.name,
                 endpoint=self.config.endpoint_url or "AWS",
                 failures=self._breaker.failures,
+                timeouts=self._breaker.timeouts,
                 open_s=self._breaker.open_s,
             )
 
@@ -957,6 +1084,12 @@ class _BlockFileBody(aiohttp.payload.Payload):
             left -= min(part.nbytes, left)
 
 
+def _no_expect_continue(request: Any, **_: Any) -> None:
+    """``before-sign.s3.PutObject``: send the body at once, without ``Expect: 100-continue``
+    (see the module docstring: no timeout covers aiohttp's wait for ``100 Continue``)."""
+    del request.headers["Expect"]  # a no-op when absent
+
+
 class _Scrubber:
     """Replaces every credential value in a text with ``***``."""
 
@@ -1001,6 +1134,8 @@ def _classify(exc: BaseException) -> _Failure:
         status = _status(exc)
         retry = (status >= 500 and status != 501) or status == 429 or _code(exc) in _RETRY_CODES
         return _Failure.RETRY if retry else _Failure.FINAL
+    if isinstance(exc, _TIMEOUTS):
+        return _Failure.TIMEOUT
     if isinstance(exc, _CONNECTION_ERRORS) and not isinstance(exc, CircuitOpenError):
         return _Failure.CONNECTION
     return _Failure.FINAL

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier_async._log import get_logger
-from kvtier_async.config import ConfigError, Section
+from kvtier_async.config import ConfigError, Section, config_mappings
 
 __all__ = ["ConnectorConfig"]
 
@@ -64,6 +64,9 @@ class ConnectorConfig:
     queue_depth: int
     wait_timeout_s: float
     worker_copies: str
+
+    def __post_init__(self) -> None:  # a read-only copy whose repr hides credentials
+        object.__setattr__(self, "secondary_tiers", config_mappings(self.secondary_tiers))
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:

@@ -1,0 +1,69 @@
+"""Closing a `TieredKVCache` is bounded: a clean exit drains for at most ``close_timeout_s``,
+then cancels what is left and says so; nothing stays pinned. (Over a hung S3 endpoint:
+`test_tier_s3`.)"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+import numpy as np
+import pytest
+
+from kvtier_async.api import CacheConfig, TieredKVCache
+from kvtier_async.config import ConfigError
+from kvtier_async.ledger import make_offload_key
+from kvtier_async.tiers.memory import MemoryTier
+
+pytestmark = pytest.mark.anyio
+BLOCK = 4096
+SLACK_S = 2.0  # over a bound computed from the config: scheduling on a loaded machine
+
+
+def config(close_timeout_s: float) -> dict[str, object]:
+    memory = {"type": "memory", "n_read_workers": 1, "n_write_workers": 1}
+    return {"block_bytes": BLOCK, "num_slots": 8, "secondary_tiers": [memory],
+            "close_timeout_s": close_timeout_s}  # fmt: skip
+
+
+async def test_a_clean_exit_waits_at_most_close_timeout_s_then_cancels(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier_async.api")
+    keys = [make_offload_key(bytes([i]) * 8, 0) for i in range(2)]
+    cache = TieredKVCache(config(close_timeout_s=0.2))
+    async with cache:
+        tier = cache.tiers[0]
+        assert isinstance(tier, MemoryTier)
+        tier.gate = anyio.Event()  # a tier that never answers: the cascade waits for ever
+        await cache.store(keys, [np.zeros(BLOCK, np.uint8)] * 2)
+        with anyio.fail_after(10):
+            await tier.entered.wait()
+        start = anyio.current_time()
+    elapsed = anyio.current_time() - start
+    assert elapsed < 0.2 + SLACK_S, elapsed
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "cache closed before its jobs ended; cancelling them "
+        "close_timeout_s=0.2 jobs=1 lanes={'memory[0]': 1}"
+    )
+    stats = cache.ledger.primary.statistics()
+    assert (stats.pinned, stats.writing) == (0, 0)
+    assert cache.ledger.counters[0].cascade_failed == 2
+
+
+async def test_a_clean_exit_with_nothing_left_logs_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier_async.api")
+    async with TieredKVCache(config(close_timeout_s=0.0)) as cache:
+        assert not cache.has_pending_work()
+    assert caplog.records == []
+
+
+def test_close_timeout_s_is_validated() -> None:
+    assert CacheConfig.from_dict({"block_bytes": BLOCK, "num_slots": 1}).close_timeout_s == 30.0
+    with pytest.raises(ConfigError, match="close_timeout_s: must be a number"):
+        CacheConfig.from_dict({**config(1.0), "close_timeout_s": "soon"})
+    with pytest.raises(ConfigError, match="close_timeout_s: must be in"):
+        CacheConfig.from_dict({**config(1.0), "close_timeout_s": -1})
