@@ -1,5 +1,5 @@
-"""Network faults on 127.0.0.1: a port that accepts connections and never answers, and a TCP
-proxy that delays every chunk it forwards, or holds every HTTP PUT.
+"""A network fault on 127.0.0.1: a TCP proxy that delays every chunk it forwards, or holds
+every HTTP PUT (a port that never answers at all is `_s3.SilentServer`).
 
 The proxy runs its own event loop in a thread of its own (a server is not the client's
 loop), serving with anyio's TCP listener. `DelayProxy.delay_s` and `DelayProxy.hold_puts`
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import socket
-from collections.abc import Iterator
 from types import TracebackType
 
 import anyio
@@ -22,17 +20,6 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 HOST = "127.0.0.1"
 _CHUNK = 64 << 10
-
-
-@contextlib.contextmanager
-def silent_port(port: int) -> Iterator[socket.socket]:
-    """Listen on ``port`` and never accept: connections complete in the kernel's backlog and
-    no byte ever comes back, as with a hung server."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((HOST, port))
-        sock.listen(1024)
-        yield sock
 
 
 class DelayProxy:

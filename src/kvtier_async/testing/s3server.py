@@ -101,12 +101,6 @@ class MotoS3Server:
         self.start()
 
     @property
-    def pid(self) -> int | None:
-        """The server's process id when it runs in a child process (to pause it with SIGSTOP,
-        say); None in this process or when stopped."""
-        return self._process.pid if self._process is not None else None
-
-    @property
     def running(self) -> bool:
         return self._thread_server is not None or self._process is not None
 
