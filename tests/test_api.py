@@ -183,11 +183,12 @@ def hold_device_copies(cache: TieredKVCache) -> Callable[[], Awaitable[None]]:
     has started, then lets it finish (the job still ends cancelled if it was cancelled)."""
     started, release = threading.Event(), threading.Event()
     copy = cache._copy_blocks
+    cache._inline_copy_bytes = 0  # every copy in a worker thread, where it can wait
 
-    def slow_copy(*args: Any) -> None:
+    def slow_copy(*args: Any, **kwargs: Any) -> None:
         started.set()
         release.wait()
-        copy(*args)
+        copy(*args, **kwargs)
 
     cache._copy_blocks = slow_copy  # type: ignore[method-assign]
 

@@ -11,6 +11,18 @@ The event loop's thread owns the ledger: job results are applied by their ``on_d
 callbacks, which the engine runs in the loop. A block is any buffer of ``block_bytes`` bytes:
 a contiguous torch tensor (CPU here, or CUDA), a numpy array, a bytearray.
 
+Requests. A call without ``req`` is a request of its own: nothing of it outlives the call.
+Calls that belong together (a prompt's lookup, load and store) name one request, either with
+``async with cache.request(req_id) as r:`` (finished when the block ends) or with ``req=`` on
+each call and `request_finished` at the end; the ledger then orders the request's blocks as
+vLLM's does (tail blocks are evicted before head blocks) and a lookup's answers stay
+consistent across its calls. State kept for a request is released when it finishes.
+
+Events. ``async with cache.events() as stream: async for event in stream:`` receives
+`kvtier_async.events` (blocks stored in / removed from each tier). They are recorded only
+while somebody listens; a listener that falls more than its buffer behind loses events
+(counted in `CacheStats.events_dropped`), the cache never waits for it.
+
 Closing is bounded: a clean exit drains for at most ``close_timeout_s``, then cancels what
 is left (logging how many jobs, on which lanes), and each tier closes within its own bound.
 """
@@ -28,10 +40,12 @@ from typing import Any
 import anyio
 import numpy as np
 import numpy.typing as npt
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvtier_async._log import get_logger
 from kvtier_async.config import ConfigError, Section, config_mappings
 from kvtier_async.engine import Engine, Job, JobError, JobResult, LaneStatistics
+from kvtier_async.events import KVEvent, to_kv_events
 from kvtier_async.ledger import (
     JobKind,
     LedgerStatistics,
@@ -44,12 +58,13 @@ from kvtier_async.ledger.tiering import StorePolicy, TierTask
 from kvtier_async.memory import SharedRegion, close_region
 from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics, make_tier
 
-__all__ = ["CacheConfig", "CacheStats", "StoreResult", "TieredKVCache"]
+__all__ = ["CacheConfig", "CacheRequest", "CacheStats", "StoreResult", "TieredKVCache"]
 
 log = get_logger(__name__)
 Bytes = npt.NDArray[np.uint8]
 
 _COPY_CHUNK = 4 << 20  # a device copy checks for cancellation after this many bytes
+_INLINE_COPY_BYTES = 256 << 10  # host-memory copies up to this size run in the loop
 _LET_GO_S = 30.0  # how long a cancelled call waits for its copy to stop touching its blocks
 
 
@@ -145,6 +160,9 @@ class CacheStats:
     lanes: list[LaneStatistics]
     lookups: int
     lookup_hits: int
+    requests: int = 0  # named requests not finished yet
+    probes: int = 0  # secondary-tier lookup answers held for them
+    events_dropped: int = 0  # events a slow listener did not take in time
 
 
 class TieredKVCache:
@@ -158,6 +176,9 @@ class TieredKVCache:
         self._ledger: TieringLedger | None = None
         self._progress = anyio.Event()
         self._lookups = self._lookup_hits = 0
+        self._inline_copy_bytes = _INLINE_COPY_BYTES
+        self._listeners: list[MemoryObjectSendStream[KVEvent]] = []
+        self._events_dropped = 0
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -187,6 +208,7 @@ class TieredKVCache:
             self._ledger = TieringLedger(
                 primary, [t.name for t in tiers], store_policy=cfg.store_policy
             )
+            self._ledger.events_enabled = False  # on while somebody listens: see `events`
             engine = Engine(
                 tiers,
                 self._block_view,
@@ -262,6 +284,8 @@ class TieredKVCache:
         _check_keys(keys)
         self._require_open()
         token = req if req is not None else object()
+        if req is not None:  # the whole prefix, head first: its exact positions
+            self.ledger.note_positions(req, keys)
         try:
             while True:
                 progress = self._progress
@@ -275,6 +299,7 @@ class TieredKVCache:
         finally:
             if req is None:
                 self.ledger.request_finished(token)
+            self._publish()
 
     def _walk(self, keys: Sequence[bytes], token: Hashable) -> tuple[int, bool]:
         """Leading HITs, and whether a key before the first MISS is still on its way."""
@@ -311,14 +336,63 @@ class TieredKVCache:
         )
 
     def _apply_task(self, task: TierTask, result: JobResult | None) -> None:
-        """Apply a tier job's result; None: it never ran (every key failed)."""
+        """Apply a tier job's result; None: it never ran (every key failed). Blocks the
+        tier deleted by itself meanwhile (damaged, or its GC) are forgotten."""
         ok = result.ok if result is not None else (False,) * len(task.keys)
         self.ledger.apply(task.task_id, ok)
+        engine = self._engine
+        if engine is not None:
+            self.ledger.tier_removed(task.tier, engine.tiers[task.tier].take_removed())
         self._signal()
+        self._publish()
 
     def _signal(self) -> None:
         progress, self._progress = self._progress, anyio.Event()
         progress.set()
+
+    # --- requests and events -----------------------------------------------------------
+
+    def request(self, req: Hashable) -> CacheRequest:
+        """``async with cache.request(req_id) as r:``: ``r.lookup / r.load / r.store`` are
+        the cache's calls for request ``req_id``, finished when the block ends."""
+        return CacheRequest(self, req)
+
+    def request_finished(self, req: Hashable) -> None:
+        """Request ``req`` ended: release what the cache kept for it (lookup answers, its
+        place in the eviction order). Nothing to do for a closed cache."""
+        if self._engine is not None and self._ledger is not None:
+            self._ledger.request_finished(req)
+
+    def events(self, buffer: int = 1024) -> _EventListener:
+        """``async with cache.events() as stream: async for event in stream: ...``: the KV
+        events from now on (`kvtier_async.events`). Up to ``buffer`` wait for the listener;
+        beyond that they are dropped and counted, never waited for."""
+        if buffer < 1:
+            raise ValueError(f"buffer must be >= 1, got {buffer}")
+        return _EventListener(self, buffer)
+
+    def _listen(self, send: MemoryObjectSendStream[KVEvent]) -> None:
+        self._listeners.append(send)
+        self.ledger.events_enabled = True
+
+    def _unlisten(self, send: MemoryObjectSendStream[KVEvent]) -> None:
+        self._listeners.remove(send)
+        send.close()
+        if not self._listeners and self._ledger is not None:
+            self._ledger.events_enabled = False  # also drops what is recorded
+
+    def _publish(self) -> None:
+        """Hand the ledger's new events to the listeners (none: nothing was recorded)."""
+        if not self._listeners or self._ledger is None:
+            return
+        for event in to_kv_events(self._ledger.take_events()):
+            for send in self._listeners:
+                try:
+                    send.send_nowait(event)
+                except anyio.WouldBlock:
+                    self._events_dropped += 1
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass  # the listener is leaving
 
     # --- store and load ----------------------------------------------------------------
 
@@ -342,6 +416,7 @@ class TieredKVCache:
             )
             stored = result.succeeded
         await self.flush()
+        self._publish()
         return StoreResult(stored, len(set(keys)) - len(out.keys_to_store))
 
     def _stored(self, result: JobResult) -> None:
@@ -352,7 +427,9 @@ class TieredKVCache:
     def _fail_store(self, job: Job) -> None:
         self.ledger.complete_store(job.keys, False)
 
-    async def load(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
+    async def load(
+        self, keys: Sequence[bytes], blocks: Sequence[Any], req: Hashable | None = None
+    ) -> int:
         """Copy readable keys (see `lookup`) from the CPU tier into ``blocks``; how many
         arrived. Raises `LedgerError` if a key is not readable."""
         _check_keys(keys)
@@ -360,7 +437,7 @@ class TieredKVCache:
         self._require_open()
         if not keys:
             return 0
-        slots = self.ledger.prepare_load(keys)  # a reuse by a request of its own, finished
+        slots = self.ledger.prepare_load(keys, req)  # a reuse (None: by a call of its own)
         job = Job(JobKind.LOAD, tuple(keys), (slots, views), on_done=self._loaded)
         result = await self._run(job, self._fail_load)
         return sum(result.ok)
@@ -414,12 +491,20 @@ class TieredKVCache:
     async def _copy(self, job: Job) -> tuple[Sequence[bool], int]:
         slot_ids, views = job.payload
         to_cpu = job.kind is JobKind.STORE
-        await anyio.to_thread.run_sync(self._copy_blocks, slot_ids, views, to_cpu)
-        return (True,) * len(views), len(views) * self.config.block_bytes
+        nbytes = len(views) * self.config.block_bytes
+        if nbytes <= self._inline_copy_bytes and all(isinstance(v, np.ndarray) for v in views):
+            # Host memory, a few microseconds of memcpy: a thread hop would cost more.
+            self._copy_blocks(slot_ids, views, to_cpu, inline=True)
+        else:
+            await anyio.to_thread.run_sync(self._copy_blocks, slot_ids, views, to_cpu)
+        return (True,) * len(views), nbytes
 
-    def _copy_blocks(self, slot_ids: Sequence[int], views: list[Any], to_cpu: bool) -> None:
+    def _copy_blocks(
+        self, slot_ids: Sequence[int], views: list[Any], to_cpu: bool, *, inline: bool = False
+    ) -> None:
         """Copy in a worker thread, `_COPY_CHUNK` bytes at a time, stopping at the first
-        chunk boundary after the job was cancelled (see `_run`)."""
+        chunk boundary after the job was cancelled (see `_run`); ``inline``: a small copy
+        in the loop's thread, which nothing can interrupt."""
         slots = self._slots
         assert slots is not None
         if not all(isinstance(view, np.ndarray) for view in views):
@@ -428,7 +513,7 @@ class TieredKVCache:
         for slot, view in zip(slot_ids, views):
             row = slots[slot]
             for start in range(0, len(row), _COPY_CHUNK):
-                if since_check >= _COPY_CHUNK:
+                if since_check >= _COPY_CHUNK and not inline:
                     anyio.from_thread.check_cancelled()
                     since_check = 0
                 end = min(start + _COPY_CHUNK, len(row))
@@ -459,6 +544,7 @@ class TieredKVCache:
         """Drain, then clear the CPU tier; the secondary tiers keep their data."""
         await self.drain()
         self.ledger.reset()
+        self._publish()
 
     def has_pending_work(self) -> bool:
         return self.ledger.has_pending_work() or self.engine.has_pending_work()
@@ -472,6 +558,9 @@ class TieredKVCache:
             self.engine.statistics(),
             self._lookups,
             self._lookup_hits,
+            ledger.primary.num_requests,
+            ledger.num_probes,
+            self._events_dropped,
         )
 
 
@@ -541,3 +630,45 @@ def _tensor_bytes(tensor: Any, block_bytes: int, index: int) -> Any:
     if flat.numel() != block_bytes:
         raise ValueError(f"blocks[{index}] has {flat.numel()} bytes, block_bytes is {block_bytes}")
     return flat.numpy() if flat.device.type == "cpu" else flat
+
+
+class CacheRequest:
+    """One request's calls on a `TieredKVCache` (see `TieredKVCache.request`)."""
+
+    def __init__(self, cache: TieredKVCache, req: Hashable) -> None:
+        if req is None:
+            raise ValueError("req: a request id is needed (any hashable but None)")
+        self.cache = cache
+        self.req = req
+
+    async def __aenter__(self) -> CacheRequest:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.cache.request_finished(self.req)
+
+    async def lookup(self, keys: Sequence[bytes]) -> int:
+        """`TieredKVCache.lookup` for this request: ``keys`` is the whole prefix, head first."""
+        return await self.cache.lookup(keys, self.req)
+
+    async def load(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
+        return await self.cache.load(keys, blocks, self.req)
+
+    async def store(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> StoreResult:
+        return await self.cache.store(keys, blocks, self.req)
+
+
+class _EventListener:
+    """The async context manager `TieredKVCache.events` returns."""
+
+    def __init__(self, cache: TieredKVCache, buffer: int) -> None:
+        self._cache = cache
+        self._send, self._receive = anyio.create_memory_object_stream[KVEvent](buffer)
+
+    async def __aenter__(self) -> MemoryObjectReceiveStream[KVEvent]:
+        self._cache._listen(self._send)
+        return self._receive
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._cache._unlisten(self._send)
+        self._receive.close()

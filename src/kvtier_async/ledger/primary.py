@@ -124,6 +124,9 @@ class PrimaryLedger:
         )
         self._reqs: dict[Hashable, RequestAccess] = {}
         self._events: list[OffloadingEvent] = []
+        # Off: events are not recorded at all (an owner that never takes them, such as the
+        # async API with no listener, must not accumulate them).
+        self.events_enabled = True
         self.generation = 0
         self._reset_counters()
 
@@ -401,7 +404,11 @@ class PrimaryLedger:
     def _release(self, victims: list[bytes]) -> None:
         self._free.extend(map(self._slot_of.pop, victims))
         self._num_evictable -= len(victims)
-        self._events.append(OffloadingEvent(victims, self.medium, removed=True))
+        self._emit(OffloadingEvent(victims, self.medium, removed=True))
+
+    def _emit(self, event: OffloadingEvent) -> None:
+        if self.events_enabled:
+            self._events.append(event)
 
     def _allocate(self, keys: list[bytes], state: RequestAccess) -> list[int]:
         """Fresh slots first, then the free list from its end (vLLM's order)."""
@@ -442,7 +449,7 @@ class PrimaryLedger:
             self._free.extend(map(slot_of.pop, done))
             for key in done:
                 self.policy.remove(key)
-        self._events.append(
+        self._emit(
             OffloadingEvent(done, self.medium, removed=not success, metadata_only=not success)
         )
         return done
@@ -473,7 +480,7 @@ class PrimaryLedger:
         start a new generation; the admission counts of ``store_threshold`` stay (vLLM's
         ``reset_cache`` keeps them too)."""
         if self._slot_of:
-            self._events.append(OffloadingEvent(list(self._slot_of), self.medium, removed=True))
+            self._emit(OffloadingEvent(list(self._slot_of), self.medium, removed=True))
         self._slot_of.clear()
         self.policy.clear()
         self._reqs.clear()  # the admission counts stay, as in vLLM

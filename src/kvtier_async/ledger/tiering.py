@@ -300,11 +300,19 @@ class TieringLedger:
             counters.cascaded += len(good)
             counters.cascade_failed += len(bad)
             if good:
-                self._events.append(
-                    OffloadingEvent(
-                        good, Medium.STORAGE, removed=False, tier=self.tier_names[task.tier]
-                    )
-                )
+                self._emit(task.tier, good, removed=False)
+
+    def tier_removed(self, tier: int, keys: Sequence[bytes]) -> None:
+        """Tier ``tier`` deleted ``keys`` itself (a block failed verification, or its own
+        GC): later lookups ask it again, and a removal is announced."""
+        if keys:
+            self._lookups[tier].set_known(keys, False)
+            self._emit(tier, list(keys), removed=True)
+
+    def _emit(self, tier: int, keys: list[bytes], *, removed: bool) -> None:
+        if self.primary.events_enabled:
+            name = self.tier_names[tier]
+            self._events.append(OffloadingEvent(keys, Medium.STORAGE, removed=removed, tier=name))
 
     # --- state -------------------------------------------------------------------------
 
@@ -315,6 +323,22 @@ class TieringLedger:
             or self._promotions
             or any(tier.batch for tier in self._lookups)
         )
+
+    @property
+    def events_enabled(self) -> bool:
+        """Whether events are recorded (for `take_events`); off, none are kept."""
+        return self.primary.events_enabled
+
+    @events_enabled.setter
+    def events_enabled(self, value: bool) -> None:
+        self.primary.events_enabled = value
+        if not value:
+            self.take_events()  # what was recorded is nobody's now
+
+    @property
+    def num_probes(self) -> int:
+        """Lookup answers held for running requests (and queued or in flight)."""
+        return sum(len(tier.probes) for tier in self._lookups)
 
     def outstanding(self) -> list[TierTask]:
         return list(self._out.values())
