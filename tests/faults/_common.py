@@ -4,7 +4,7 @@ bytes are known from their key, and the checks that count wrong bytes and lost b
 A block's bytes are a function of its key (`content`), so any process (a restarted one, a
 reader beside two writers) can check every byte it is handed without being told what was
 stored. "Durable" means what the cache itself confirmed: after `TieredKVCache.drain`, the
-keys of the ledger's STORAGE events for a tier (`take_durable`).
+keys of the cache's STORAGE events for a tier (`Watched.take_durable`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ from typing import Any, TypeVar
 import anyio
 import numpy as np
 import numpy.typing as npt
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from kvtier_async.api import TieredKVCache
-from kvtier_async.ledger import Medium, make_offload_key
+from kvtier_async.events import BlockRemoved, BlockStored, KVEvent
+from kvtier_async.ledger import make_offload_key
 
 T = TypeVar("T")
 Bytes = npt.NDArray[np.uint8]
@@ -185,13 +187,54 @@ def cache_config(block_bytes: int, num_slots: int, *tiers: dict[str, Any], **ext
     }
 
 
-def take_durable(cache: TieredKVCache, tier: str) -> set[bytes]:
+class Watched(TieredKVCache):
+    """A `TieredKVCache` that listens to its own KV events (`TieredKVCache.events`) from open
+    to close, so that a scenario can ask which blocks it confirmed stored in a tier, and which
+    a tier deleted on its own (damaged blocks) and the cache announced."""
+
+    _listener: Any = None
+    _events: MemoryObjectReceiveStream[KVEvent] | None = None
+
+    async def __aenter__(self) -> Watched:
+        await super().__aenter__()
+        self._seen: dict[tuple[str, bool], list[bytes]] = {}
+        self._listener = self.events(buffer=1 << 20)
+        self._events = await self._listener.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        try:
+            if self._listener is not None:
+                await self._listener.__aexit__(None, None, None)
+        finally:
+            await super().__aexit__(*exc_info)
+
+    def take_durable(self, tier: str) -> set[bytes]:
+        """Keys whose blocks reached ``tier`` (STORAGE events) since the last call."""
+        return set(self._take(tier, removed=False))
+
+    def take_removed(self, tier: str) -> list[bytes]:
+        """Keys ``tier`` deleted on its own (STORAGE removals) since the last call."""
+        return self._take(tier, removed=True)
+
+    def _take(self, tier: str, *, removed: bool) -> list[bytes]:
+        while self._events is not None:
+            try:
+                event = self._events.receive_nowait()
+            except anyio.WouldBlock:
+                break
+            if isinstance(event, (BlockStored, BlockRemoved)) and event.medium == "STORAGE":
+                keys = [make_offload_key(h, event.group_idx) for h in event.block_hashes]
+                place = (str(event.tier), isinstance(event, BlockRemoved))
+                self._seen.setdefault(place, []).extend(keys)
+        if self.stats().events_dropped:
+            raise AssertionError("the cache dropped KV events: what it confirmed is unknown")
+        return self._seen.pop((tier, removed), [])
+
+
+def take_durable(cache: Watched, tier: str) -> set[bytes]:
     """Keys the cache confirmed stored in ``tier`` since the last call (STORAGE events)."""
-    keys: set[bytes] = set()
-    for event in cache.ledger.take_events():
-        if event.medium is Medium.STORAGE and event.tier == tier and not event.removed:
-            keys.update(event.keys)
-    return keys
+    return cache.take_durable(tier)
 
 
 async def store(cache: TieredKVCache, keys: Sequence[bytes], calls: Calls | None = None) -> Any:
@@ -252,7 +295,7 @@ async def audit(
 
 
 async def recover(
-    cache: TieredKVCache, tier: str, calls: Calls, seed: str, ended: float, poll_s: float = 0.05
+    cache: Watched, tier: str, calls: Calls, seed: str, ended: float, poll_s: float = 0.05
 ) -> float:
     """Seconds from ``ended`` (the end of a fault) until a block stored now reached ``tier``:
     store a new block, drain, and again every ``poll_s`` until one did (the caller bounds it

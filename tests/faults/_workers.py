@@ -25,6 +25,7 @@ import anyio
 from faults._common import (
     Calls,
     Row,
+    Watched,
     cache_config,
     key_of,
     keys_of,
@@ -32,7 +33,6 @@ from faults._common import (
     store,
     take_durable,
 )
-from kvtier_async.api import TieredKVCache
 
 
 def main() -> None:
@@ -66,7 +66,7 @@ async def writer(config: dict[str, Any], args: argparse.Namespace) -> None:
     order = list(range(args.batch * args.batches)) if args.batches else None
     if order is not None and args.shuffle:
         random.Random(args.seed).shuffle(order)
-    async with TieredKVCache(config) as cache:
+    async with Watched(config) as cache:
         say("ready")
         batch = 0
         while not args.batches or batch < args.batches:
@@ -87,7 +87,7 @@ async def reader(config: dict[str, Any], args: argparse.Namespace) -> None:
     row = Row("reader")
     calls = Calls(row)
     loads = wrong = 0
-    async with TieredKVCache(config) as cache:
+    async with Watched(config) as cache:
         say("ready")
         while not os.path.exists(args.stop):
             for _ in range(8):

@@ -34,6 +34,7 @@ from faults._common import (
     SENTINEL,
     Calls,
     Row,
+    Watched,
     audit,
     cache_config,
     content,
@@ -45,7 +46,6 @@ from faults._common import (
     take_durable,
     wrong_bytes,
 )
-from kvtier_async.api import TieredKVCache
 
 BLOCK = 1 << 20
 SLOTS = 24
@@ -105,7 +105,7 @@ async def trial(row: Row, root: Path, rng: random.Random) -> None:
     config = cache_config(BLOCK, SLOTS, fs_tier(root))
     durable: set[bytes] = set()
     cut = 0
-    async with TieredKVCache(config) as cache:
+    async with Watched(config) as cache:
         for number in range(CALLS):
             op = rng.choice(["lookup", "store", "load", "drain", "reset", "async with"])
             keys = rng.sample(pool, rng.randint(1, 6))
@@ -125,7 +125,7 @@ async def trial(row: Row, root: Path, rng: random.Random) -> None:
     row.notes.append(f"{cut} of {CALLS} calls were cut short; {len(durable)} blocks confirmed")
 
 
-def call(cache: TieredKVCache, op: str, keys: list[bytes]) -> Callable[[], Awaitable[Any]]:
+def call(cache: Watched, op: str, keys: list[bytes]) -> Callable[[], Awaitable[Any]]:
     if op == "lookup":
         return lambda: cache.lookup(keys)
     if op == "store":
@@ -133,9 +133,7 @@ def call(cache: TieredKVCache, op: str, keys: list[bytes]) -> Callable[[], Await
     return cache.drain if op == "drain" else cache.reset
 
 
-async def cancelled_load(
-    row: Row, cache: TieredKVCache, cancel: Cancelled, keys: list[bytes]
-) -> bool:
+async def cancelled_load(row: Row, cache: Watched, cancel: Cancelled, keys: list[bytes]) -> bool:
     """Load what a lookup found under a random cancellation; check what the blocks hold."""
     found = await cache.lookup(keys)
     keys = keys[:found]
@@ -164,7 +162,7 @@ async def cancelled_lifetime(
     row: Row, config: dict[str, Any], cancel: Cancelled, keys: list[bytes]
 ) -> bool:
     """A second cache's open, store and exit, cancelled anywhere."""
-    other = TieredKVCache(config)
+    other = Watched(config)
 
     async def lifetime() -> None:
         async with other:
@@ -181,7 +179,7 @@ async def cancelled_lifetime(
     return cut
 
 
-async def check(row: Row, calls: Calls, cache: TieredKVCache) -> None:
+async def check(row: Row, calls: Calls, cache: Watched) -> None:
     """Drain ends in time, and then nothing is pinned or being written."""
     with anyio.move_on_after(3 * BOUND_S) as scope:
         await calls("drain", cache.drain)

@@ -23,6 +23,7 @@ from faults._common import (
     LOCAL_BOUNDS,
     Calls,
     Row,
+    Watched,
     audit,
     cache_config,
     deadline,
@@ -34,7 +35,6 @@ from faults._common import (
     store,
     take_durable,
 )
-from kvtier_async.api import TieredKVCache
 from kvtier_async.tiers.fs import HEADER_BYTES
 from test_tier_fs import tiny_tmpfs
 
@@ -63,7 +63,7 @@ def run(seed: int) -> Iterator[Row]:
 async def trial(row: Row, root: Path, seed: str) -> None:
     calls = Calls(row)
     before = keys_of(f"{seed}-before", 8)
-    async with TieredKVCache(cache_config(BLOCK, 64, fs_tier(root))) as cache:
+    async with Watched(cache_config(BLOCK, 64, fs_tier(root))) as cache:
         await store(cache, before)
         await cache.drain()
         durable = take_durable(cache, TIER)
@@ -100,9 +100,7 @@ def fill(path: Path) -> None:
                     return
 
 
-async def during(
-    row: Row, calls: Calls, cache: TieredKVCache, seed: str, resident: list[bytes]
-) -> None:
+async def during(row: Row, calls: Calls, cache: Watched, seed: str, resident: list[bytes]) -> None:
     for number in range(ROUNDS):
         stored = await store(cache, keys_of(f"{seed}-full", 4, start=4 * number), calls)
         if len(stored.stored) != 4:

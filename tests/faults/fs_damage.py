@@ -5,8 +5,8 @@ Each trial stores four blocks, drains (all four confirmed in the fs tier), damag
 the first one in one way, clears the CPU tier and loads all four back through lookups
 (promotions from the fs tier). The damaged block must be a miss, never wrong bytes; the three
 others must load byte for byte. A damaged file that a lookup takes for a block (a regular file
-of the right size) must be gone after the failed promotion and reported by the tier's
-`take_removed`; any other must be replaced by the next store of that key. The damage is made
+of the right size) must be gone after the failed promotion, and its removal announced (a KV
+event); any other must be replaced by the next store of that key. The damage is made
 with test_tier_fs's helpers (`_craft`, `block_path`) where they have it.
 """
 
@@ -29,6 +29,7 @@ from faults._common import (
     SHM,
     Calls,
     Row,
+    Watched,
     audit,
     cache_config,
     content,
@@ -39,7 +40,6 @@ from faults._common import (
     store,
     take_durable,
 )
-from kvtier_async.api import TieredKVCache
 from kvtier_async.tiers import fs
 from kvtier_async.tiers.fs import HEADER_BYTES, FsTier
 from test_tier_fs import _craft, block_path
@@ -212,7 +212,7 @@ async def trial(
 ) -> None:
     calls = Calls(row)
     keys = keys_of(seed, 4)
-    async with TieredKVCache(cache_config(BLOCK, 8, fs_tier(root))) as cache:
+    async with Watched(cache_config(BLOCK, 8, fs_tier(root))) as cache:
         await store(cache, keys)
         await cache.drain()
         if take_durable(cache, TIER) != set(keys):
@@ -228,25 +228,27 @@ async def trial(
         row.durable_lost += found.lost(keys[1:])
         if keys[0] in found.present:
             row.problems.append(f"{label}: the damaged block was served")
-        check_cleanup(row, label, tier, victim, looks_whole)
+        check_cleanup(row, label, cache, victim, looks_whole)
         await check_repair(row, label, cache, tier, keys[0], calls)
         if victim.other.read_bytes() != other_bytes:
             row.problems.append(f"{label}: another key's file changed")
 
 
-def check_cleanup(row: Row, label: str, tier: FsTier, victim: Damage, looks_whole: bool) -> None:
-    """A file that looked like a block was promoted, failed, and must be gone and reported."""
-    removed = tier.take_removed()
+def check_cleanup(row: Row, label: str, cache: Watched, victim: Damage, looks_whole: bool) -> None:
+    """A file that looked like a block was promoted, failed, and must be gone, and the cache
+    must have announced its removal from the tier (the tier's `take_removed`, as a KV
+    event)."""
+    removed = cache.take_removed(TIER)
     if not looks_whole:
         return
     if os.path.lexists(victim.path):
         row.problems.append(f"{label}: the damaged file is still there")
     if removed != [victim.key]:
-        row.problems.append(f"{label}: take_removed() said {len(removed)} keys, not the victim")
+        row.problems.append(f"{label}: {len(removed)} removals announced, not the victim's")
 
 
 async def check_repair(
-    row: Row, label: str, cache: TieredKVCache, tier: FsTier, key: bytes, calls: Calls
+    row: Row, label: str, cache: Watched, tier: FsTier, key: bytes, calls: Calls
 ) -> None:
     """The next store of the damaged key replaces whatever is at its name."""
     await store(cache, [key], calls)

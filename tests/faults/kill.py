@@ -26,13 +26,13 @@ from faults._common import (
     Calls,
     Child,
     Row,
+    Watched,
     audit,
     cache_config,
     fs_tier,
     key_of,
     private_dir,
 )
-from kvtier_async.api import TieredKVCache
 
 TRIALS = 20
 BLOCK = 64 << 10
@@ -97,7 +97,7 @@ async def restart(
 ) -> float:
     calls = Calls(row)
     config = cache_config(BLOCK, 64, fs_tier(root), instance_id=instance)
-    cache = TieredKVCache(config)
+    cache = Watched(config)
     await calls("open after kill -9", cache.__aenter__)
     recovery = time.monotonic() - killed
     try:

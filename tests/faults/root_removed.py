@@ -26,6 +26,7 @@ from faults._common import (
     LOCAL_BOUNDS,
     Calls,
     Row,
+    Watched,
     audit,
     cache_config,
     deadline,
@@ -36,7 +37,6 @@ from faults._common import (
     store,
     take_durable,
 )
-from kvtier_async.api import TieredKVCache
 from kvtier_async.tiers.fs import FsTier
 
 BLOCK = 64 << 10
@@ -81,7 +81,7 @@ def target(tier: FsTier, level: str) -> Path:
 
 async def trial(row: Row, root: Path, level: str, seed: str, rng: random.Random) -> float | None:
     calls = Calls(row)
-    async with TieredKVCache(cache_config(BLOCK, 64, fs_tier(root))) as cache:
+    async with Watched(cache_config(BLOCK, 64, fs_tier(root))) as cache:
         (tier,) = cache.tiers
         assert isinstance(tier, FsTier)
         doomed = target(tier, level)

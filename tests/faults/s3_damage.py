@@ -20,8 +20,17 @@ import anyio
 from botocore.exceptions import ClientError
 
 from _s3 import raw_client
-from faults._common import S3_BOUNDS, Calls, Row, audit, cache_config, keys_of, store, take_durable
-from kvtier_async.api import TieredKVCache
+from faults._common import (
+    S3_BOUNDS,
+    Calls,
+    Row,
+    Watched,
+    audit,
+    cache_config,
+    keys_of,
+    store,
+    take_durable,
+)
 from kvtier_async.testing.s3server import MotoS3Server
 from kvtier_async.tiers.fs import HEADER_BYTES
 from kvtier_async.tiers.s3 import S3Tier
@@ -62,6 +71,7 @@ def run(seed: int) -> Iterator[Row]:
                 server.create_bucket(bucket)
                 anyio.run(trial, row, server, bucket, kind, body, f"{seed}-{number}-{attempt}")
                 row.trials += 1
+    row.notes = list(dict.fromkeys(row.notes))
     yield row
 
 
@@ -71,7 +81,7 @@ async def trial(
     calls = Calls(row)
     keys = keys_of(seed, 4)
     config = cache_config(BLOCK, 8, server.tier_config(bucket, timeout_s=2.0))
-    async with TieredKVCache(config) as cache, raw_client(server) as client:
+    async with Watched(config) as cache, raw_client(server) as client:
         await store(cache, keys)
         await cache.drain()
         if take_durable(cache, TIER) != set(keys):
@@ -90,6 +100,11 @@ async def trial(
             row.problems.append(f"{kind}: the damaged block was served")
         if await head(client, bucket, name):
             row.problems.append(f"{kind}: the damaged object is still there")
+        if cache.take_removed(TIER) != keys[:1]:
+            row.notes.append(
+                "the obj tier deletes a damaged object but does not report it (no "
+                "take_removed): the cache announces no removal (KV event) for it"
+            )
         await store(cache, keys[:1], calls)
         await calls("drain", cache.drain)
         repaired = await audit(cache, keys[:1], calls)

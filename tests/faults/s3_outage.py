@@ -40,6 +40,7 @@ from faults._common import (
     Audit,
     Calls,
     Row,
+    Watched,
     audit,
     cache_config,
     deadline,
@@ -51,7 +52,6 @@ from faults._common import (
     take_durable,
 )
 from faults._net import DelayProxy
-from kvtier_async.api import TieredKVCache
 from kvtier_async.testing.s3server import MotoS3Server
 from kvtier_async.tiers.s3 import DEFAULT_BREAKER_OPEN_S
 
@@ -203,7 +203,7 @@ async def trial(row: Row, fault: ServerOutage, tier: dict[str, Any], seed: str) 
     closing: list[float] = []
     try:
         with deadline(row, "closing the cache", 4 * OUTER_S):  # the others run out first
-            async with TieredKVCache(cache_config(BLOCK, 64, tier)) as cache:
+            async with Watched(cache_config(BLOCK, 64, tier)) as cache:
                 await around(row, calls, fault, cache, tier, seed)
                 closing.append(time.monotonic())
     finally:
@@ -212,7 +212,7 @@ async def trial(row: Row, fault: ServerOutage, tier: dict[str, Any], seed: str) 
 
 
 async def around(
-    row: Row, calls: Calls, fault: ServerOutage, cache: TieredKVCache, tier: dict[str, Any],
+    row: Row, calls: Calls, fault: ServerOutage, cache: Watched, tier: dict[str, Any],
     seed: str,
 ) -> None:  # fmt: skip
     """Before the fault, during it (`window`), the recovery, and the check after it."""
@@ -236,7 +236,7 @@ async def around(
         row.durable_lost += found.lost(durable)
 
 
-async def before(cache: TieredKVCache, remote: list[bytes], resident: list[bytes]) -> set[bytes]:
+async def before(cache: Watched, remote: list[bytes], resident: list[bytes]) -> set[bytes]:
     """Store both sets and confirm them in the bucket; only ``resident`` stays in the CPU."""
     await store(cache, remote)
     await cache.drain()
@@ -250,7 +250,7 @@ async def window(
     row: Row,
     calls: Calls,
     fault: Outage,
-    cache: TieredKVCache,
+    cache: Watched,
     tier: dict[str, Any],
     seed: str,
     remote: list[bytes],
@@ -258,7 +258,7 @@ async def window(
 ) -> None:
     """The fault, and the calls made during it; a second cache opened before it stores a
     block and closes during it."""
-    async with TieredKVCache(cache_config(BLOCK, 8, tier)) as other:
+    async with Watched(cache_config(BLOCK, 8, tier)) as other:
         fault.begin()
         await during(row, calls, cache, seed, remote, resident)
         await store(other, keys_of(f"{seed}-other", 4), calls)
@@ -269,7 +269,7 @@ async def window(
 async def during(
     row: Row,
     calls: Calls,
-    cache: TieredKVCache,
+    cache: Watched,
     seed: str,
     remote: list[bytes],
     resident: list[bytes],

@@ -19,9 +19,19 @@ from typing import Any
 
 import anyio
 
-from faults._common import DISK, Calls, Child, Row, audit, cache_config, fs_tier, guard, keys_of
+from faults._common import (
+    DISK,
+    Calls,
+    Child,
+    Row,
+    Watched,
+    audit,
+    cache_config,
+    fs_tier,
+    guard,
+    keys_of,
+)
 from faults._common import private_dir as make_dir
-from kvtier_async.api import TieredKVCache
 from kvtier_async.testing.s3server import MotoS3Server
 
 BLOCK = 64 << 10
@@ -108,7 +118,7 @@ def share(row: Row, tier: dict[str, Any], stream: str, scratch: Path) -> str:
 
 async def final_check(row: Row, tier: dict[str, Any], stream: str, durable: set[bytes]) -> None:
     calls = Calls(row)
-    async with TieredKVCache(cache_config(BLOCK, 128, tier)) as cache:
+    async with Watched(cache_config(BLOCK, 128, tier)) as cache:
         found = await audit(cache, keys_of(stream, BATCH * BATCHES), calls)
     row.wrong_bytes += found.wrong_bytes
     row.durable_lost += found.lost(durable)
