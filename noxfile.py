@@ -110,12 +110,12 @@ def faults(session: nox.Session) -> None:
     """The fault suite (tests/faults): real faults against the real parts, one table of figures;
     fails on any wrong byte served, durable block lost or call blocked past its bound. The
     table is also written as markdown to ``.nox/faults.md``, the scenarios' logs to
-    ``.nox/faults/`` (``nox -s faults -- --help`` for the options)."""
+    ``.nox/faults/``; ``nox -s faults -- NAME ...`` runs some scenarios (``-- --help``)."""
     shared(session)
     session.env["PYTHONPATH"] = str(ROOT / "tests")
     out = ROOT / ".nox"
-    args = session.posargs or ["--table-out", str(out / "faults.md"), "--logs", str(out / "faults")]
-    session.run(tool("python"), "-m", "faults", *args, external=True)
+    where = ["--table-out", str(out / "faults.md"), "--logs", str(out / "faults")]
+    session.run(tool("python"), "-m", "faults", *where, *session.posargs, external=True)
 
 
 @nox.session(python=False)
