@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 
 from faults import SCENARIOS, Scenario
-from faults._common import Row
+from faults._common import Row, child_env
 from faults._table import failures, render
 
 
@@ -84,7 +84,7 @@ def _run_child(scenario: Scenario, seed: int, logs: Path) -> list[Row]:
     with open(log, "wb") as sink:
         child = subprocess.Popen(
             [*command, "--out", str(out)], stdout=sink, stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: killed whole on a timeout
+            env=child_env(), start_new_session=True,  # a group of its own: killed whole
         )  # fmt: skip
         try:
             rc: int | None = child.wait(timeout=scenario.deadline_s)
@@ -121,7 +121,9 @@ def _child(name: str, seed: int, out: Path) -> int:
     try:
         for row in scenario.load()(seed):  # each row saved as it comes: a kill keeps them
             rows.append(row.to_json())
-            out.write_text(json.dumps(rows, indent=1))
+            partial = out.with_suffix(".partial")
+            partial.write_text(json.dumps(rows, indent=1))
+            partial.replace(out)
         status = 0
     except BaseException:
         traceback.print_exc()
