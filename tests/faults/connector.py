@@ -13,6 +13,8 @@ on (a second wave of requests arrives after it, so stores reach the tier again):
 
 Every step (``schedule`` + ``update_from_output``, and the whole step with the model's worker
 hooks) is timed: the scheduler never waits on the tier, so each must stay under `BOUND_S`.
+One more run of the hung case calls ``reset_prefix_cache`` (the connector's reset drains the
+tiers, within ``wait_timeout_s``) in the middle of the fault.
 Every request must finish with the tokens of a run without any connector (the fake model
 checked the KV bytes behind them), the harness must see no leak, and closing (both roles'
 ``shutdown``) is timed too. The recovery is the time from the end of the fault until a
@@ -39,10 +41,13 @@ from kvtier_async.testing.s3server import MotoS3Server
 BOUND_S = 2.0  # a step waits on no tier: bookkeeping and the fake model, on a busy 2-core box
 CLOSE_BOUND_S = 5.0  # shutdown: the tier engine's close, its tier's close within timeout_s
 TIMEOUT_S = 1.0  # the obj tier's
+WAIT_TIMEOUT_S = 5.0  # the connector's wait_timeout_s: how long a reset waits for the tiers
+RESET_BOUND_S = WAIT_TIMEOUT_S + 2.0  # with 2 s for a busy machine
 FAULT_AT = 8  # steps before the fault begins
 FAULT_S = 4.0  # how long it lasts
 BOUNDS = (
     f"vLLM steps: {BOUND_S:g} s (a step waits on no tier); shutdown {CLOSE_BOUND_S:g} s; "
+    f"reset_prefix_cache: wait_timeout_s ({WAIT_TIMEOUT_S:g} s) + 2 s = {RESET_BOUND_S:g} s; "
     "recovery: S3 as above plus a step, fs 2 steps' bound"
 )
 OUTER_S = 120.0  # a run still going then fails the row
@@ -79,14 +84,16 @@ def run(seed: int) -> Iterator[Row]:
         server.create_bucket(bucket)
         tier = server.tier_config(bucket, timeout_s=TIMEOUT_S, endpoint_override=proxy.endpoint)
         yield shutdown_while_hung(WritesHang(server, proxy), tier, trace)
-    for make in (SilentPort, Refused):
+    for make, reset in ((SilentPort, False), (SilentPort, True), (Refused, False)):
         with MotoS3Server() as server:
             fault = make(server)
             bucket = f"vllm-{uuid.uuid4().hex[:12]}"
             server.create_bucket(bucket)
             tier = server.tier_config(bucket, timeout_s=TIMEOUT_S)
             title = f"vLLM connector: {fault.name} mid-run"
-            yield trial(title, fault, tier, trace, baseline, RECOVERY_BOUND_S + BOUND_S)
+            if reset:
+                title = f"vLLM connector: reset_prefix_cache while {fault.name[3:]}"
+            yield trial(title, fault, tier, trace, baseline, RECOVERY_BOUND_S + BOUND_S, reset)
     parent = private_dir(DISK, "vllm")
     try:
         root = parent / "root"
@@ -103,19 +110,23 @@ def trial(
     trace: list[Any],
     baseline: dict[str, Any],
     recovery_bound_s: float,
+    reset: bool = False,
 ) -> Row:
+    """The trace with the fault mid-run (and, with ``reset``, a ``reset_prefix_cache`` in
+    the middle of the fault: it waits for the tiers, within ``wait_timeout_s``)."""
     import vllm_harness as vh
     from test_vllm_connector import ours
 
-    row = Row(title, bound_s=BOUND_S, recovery_bound_s=recovery_bound_s, bounds=[BOUNDS])
+    bound = RESET_BOUND_S if reset else BOUND_S
+    row = Row(title, bound_s=bound, recovery_bound_s=recovery_bound_s, bounds=[BOUNDS])
     calls = Calls(row)
-    config = ours(secondary_tiers=[tier], cpu_bytes_to_use=8 * 4096)
+    config = ours(secondary_tiers=[tier], cpu_bytes_to_use=8 * 4096, wait_timeout_s=WAIT_TIMEOUT_S)
     with guard(row), contextlib.ExitStack() as stack:
         h = vh.VllmHarness(num_gpu_blocks=48, max_num_batched_tokens=256,
                            kv_load_failure_policy="recompute", **config)  # fmt: skip
         stack.callback(fault.end)
         try:
-            drive(row, calls, h, fault, trace)
+            drive(row, calls, h, fault, trace, reset)
         except vh.KVMismatch as exc:
             row.wrong_bytes += 1  # at least: the fake model stops at the first wrong byte
             row.problems.append(f"wrong KV bytes loaded: {exc}")
@@ -168,9 +179,12 @@ def cascading(h: Any) -> bool:
     return any(task.kind is JobKind.CASCADE for task in outstanding)
 
 
-def drive(row: Row, calls: Calls, h: Any, fault: Outage, trace: list[Any]) -> None:
-    """The trace, two arrivals per step, with the fault from step `FAULT_AT` for `FAULT_S`;
-    the requests past `WAVE` arrive after it ended. Then steps until no work is pending."""
+def drive(
+    row: Row, calls: Calls, h: Any, fault: Outage, trace: list[Any], reset: bool = False
+) -> None:
+    """The trace, two arrivals per step, with the fault from step `FAULT_AT` for `FAULT_S`
+    (and a reset half-way through it); the requests past `WAVE` arrive after it ended. Then
+    steps until no work is pending."""
     arrivals: Iterator[Any] = iter(trace[:WAVE])
     counters = h.connector.scheduler.ledger.counters[0]
     began = ended = None
@@ -190,6 +204,14 @@ def drive(row: Row, calls: Calls, h: Any, fault: Outage, trace: list[Any]) -> No
             arrivals = itertools.chain(arrivals, trace[WAVE:])
         if ended is not None and row.recovery_s is None and counters.cascaded > cascaded_at_end:
             row.recovery_s = now - ended
+        outstanding = len(h.connector.scheduler.ledger.outstanding())
+        if reset and began is not None and (outstanding or now - began > FAULT_S / 2):
+            reset = False  # once, while tier jobs wait for the hung server if there are any
+            resetting = time.monotonic()
+            h.scheduler.reset_prefix_cache(reset_connector=True)
+            took = time.monotonic() - resetting
+            calls.record("reset_prefix_cache", took)
+            row.notes.append(f"reset_prefix_cache with {outstanding} tier jobs out: {took:.2f} s")
         for item in itertools.islice(arrivals, 2):
             h.add_request(*item)
         pending = h.has_work() or h.connector.has_pending_push_work()
@@ -201,7 +223,13 @@ def drive(row: Row, calls: Calls, h: Any, fault: Outage, trace: list[Any]) -> No
 
 
 def timed_step(calls: Calls, h: Any) -> None:
+    """One step, timed; past `BOUND_S` it fails the row whatever the row's bound."""
     began = time.monotonic()
     h.step()
-    calls.record("engine step (scheduler + worker hooks)", time.monotonic() - began)
-    calls.record("scheduler step", h.stats.step_seconds[-1])
+    for name, seconds in (
+        ("engine step (scheduler + worker hooks)", time.monotonic() - began),
+        ("scheduler step", h.stats.step_seconds[-1]),
+    ):
+        calls.record(name, seconds)
+        if seconds > BOUND_S:
+            calls.row.problems.append(f"a {name} took {seconds:.2f} s, bound {BOUND_S:g} s")
