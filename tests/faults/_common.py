@@ -47,8 +47,9 @@ SENTINEL = 0xA5  # what a destination block holds before a load
 class Row:
     """One line of the table. ``bound_s``: the longest any public call may block under this
     fault; ``recovery_s``: from the end of the fault until the tier took a store again (None:
-    the fault has no end to recover from); ``problems``: any other check that failed (the row
-    fails); ``notes``: what was found that is none of these (reported, the row passes)."""
+    the fault has no end to recover from); ``bounds``: where those bounds come from;
+    ``problems``: any other check that failed (the row fails); ``notes``: what was found that
+    is none of these (reported, the row passes)."""
 
     fault: str
     trials: int = 0
@@ -232,11 +233,6 @@ class Watched(TieredKVCache):
         return self._seen.pop((tier, removed), [])
 
 
-def take_durable(cache: Watched, tier: str) -> set[bytes]:
-    """Keys the cache confirmed stored in ``tier`` since the last call (STORAGE events)."""
-    return cache.take_durable(tier)
-
-
 async def store(cache: TieredKVCache, keys: Sequence[bytes], calls: Calls | None = None) -> Any:
     """Store ``keys`` with their bytes (timed when ``calls`` is given)."""
     blocks = [content(key, cache.config.block_bytes) for key in keys]
@@ -304,7 +300,7 @@ async def recover(
         key = key_of(f"{seed}-after", number)
         await store(cache, [key], calls)
         await calls("drain", cache.drain)
-        if key in take_durable(cache, tier):
+        if key in cache.take_durable(tier):
             return time.monotonic() - ended
         await anyio.sleep(poll_s)
     raise AssertionError("unreachable")

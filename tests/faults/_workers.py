@@ -31,7 +31,6 @@ from faults._common import (
     keys_of,
     load_one,
     store,
-    take_durable,
 )
 
 
@@ -77,7 +76,7 @@ async def writer(config: dict[str, Any], args: argparse.Namespace) -> None:
             keys = [key_of(args.seed, i) for i in indices]
             await store(cache, keys)
             await cache.drain()
-            say("durable " + " ".join(key.hex() for key in take_durable(cache, tier)))
+            say("durable " + " ".join(key.hex() for key in cache.take_durable(tier)))
             batch += 1
 
 

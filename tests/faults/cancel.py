@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,6 @@ from faults._common import (
     guard,
     keys_of,
     private_dir,
-    take_durable,
     wrong_bytes,
 )
 
@@ -70,17 +70,23 @@ def run(seed: int) -> Iterator[Row]:
 
 
 class Cancelled:
-    """Runs a call under a cancellation chosen by ``rng``; whether it was cut short."""
+    """Runs a call under a cancellation chosen by ``rng``, timed until it returned (so a
+    call slow to give up shows); whether it was cut short."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, calls: Calls) -> None:
         self.rng = rng
+        self.calls = calls
 
-    async def __call__(self, fn: Callable[[], Awaitable[Any]]) -> bool:
-        if self.rng.random() < 0.5:
-            with anyio.move_on_after(self.rng.uniform(0, 0.005)) as scope:
-                await fn()
-            return scope.cancelled_caught
-        return await self._from_another_task(fn, self.rng.randrange(0, 12))
+    async def __call__(self, name: str, fn: Callable[[], Awaitable[Any]]) -> bool:
+        started = time.monotonic()
+        try:
+            if self.rng.random() < 0.5:
+                with anyio.move_on_after(self.rng.uniform(0, 0.005)) as scope:
+                    await fn()
+                return scope.cancelled_caught
+            return await self._from_another_task(fn, self.rng.randrange(0, 12))
+        finally:
+            self.calls.record(f"{name} (cancelled)", time.monotonic() - started)
 
     @staticmethod
     async def _from_another_task(fn: Callable[[], Awaitable[Any]], points: int) -> bool:
@@ -100,7 +106,8 @@ class Cancelled:
 
 
 async def trial(row: Row, root: Path, rng: random.Random) -> None:
-    calls, cancel = Calls(row), Cancelled(rng)
+    calls = Calls(row)
+    cancel = Cancelled(rng, calls)
     pool = keys_of(f"cancel-{rng.random()}", POOL)
     config = cache_config(BLOCK, SLOTS, fs_tier(root))
     durable: set[bytes] = set()
@@ -114,9 +121,9 @@ async def trial(row: Row, root: Path, rng: random.Random) -> None:
             elif op == "async with":
                 cut += await cancelled_lifetime(row, config, cancel, keys)
             else:
-                cut += await cancel(call(cache, op, keys))
+                cut += await cancel(op, call(cache, op, keys))
             await check(row, calls, cache)
-            durable |= take_durable(cache, TIER)
+            durable |= cache.take_durable(TIER)
             if number % AUDIT_EVERY == AUDIT_EVERY - 1:
                 found = await audit(cache, sorted(durable), calls)
                 row.wrong_bytes += found.wrong_bytes
@@ -143,7 +150,7 @@ async def cancelled_load(row: Row, cache: Watched, cancel: Cancelled, keys: list
     async def load() -> None:
         arrived.append(await cache.load(keys, blocks))
 
-    cut = await cancel(load)
+    cut = await cancel("load", load)
     if cut:
         for block in blocks:  # ours from now on: nothing of the cache may write it
             block.fill(SENTINEL ^ 0xFF)
@@ -168,7 +175,7 @@ async def cancelled_lifetime(
         async with other:
             await other.store(keys, [content(key, BLOCK) for key in keys])
 
-    cut = await cancel(lifetime)
+    cut = await cancel("async with", lifetime)
     region = Path(other.config.region_dir) / f"kvtier_{other.config.instance_id}.mmap"
     if region.exists():
         row.problems.append("a cancelled async with left its region file")

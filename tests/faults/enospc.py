@@ -33,7 +33,6 @@ from faults._common import (
     load_one,
     recover,
     store,
-    take_durable,
 )
 from kvtier_async.tiers.fs import HEADER_BYTES
 from test_tier_fs import tiny_tmpfs
@@ -66,7 +65,7 @@ async def trial(row: Row, root: Path, seed: str) -> None:
     async with Watched(cache_config(BLOCK, 64, fs_tier(root))) as cache:
         await store(cache, before)
         await cache.drain()
-        durable = take_durable(cache, TIER)
+        durable = cache.take_durable(TIER)
         if durable != set(before):
             row.problems.append("the blocks stored before the fault were not all confirmed")
         ballast = root / "ballast"
@@ -111,7 +110,7 @@ async def during(row: Row, calls: Calls, cache: Watched, seed: str, resident: li
                 row.problems.append("the CPU tier did not serve a resident block")
             row.wrong_bytes += wrong or 0
         await calls("drain", cache.drain)
-        if take_durable(cache, TIER):
+        if cache.take_durable(TIER):
             row.problems.append("a store reached a full file system")
         row.trials += 1
     if not cache.ledger.counters[0].cascade_failed:

@@ -38,7 +38,6 @@ from faults._common import (
     keys_of,
     private_dir,
     store,
-    take_durable,
 )
 from kvtier_async.tiers import fs
 from kvtier_async.tiers.fs import HEADER_BYTES, FsTier
@@ -215,7 +214,7 @@ async def trial(
     async with Watched(cache_config(BLOCK, 8, fs_tier(root))) as cache:
         await store(cache, keys)
         await cache.drain()
-        if take_durable(cache, TIER) != set(keys):
+        if cache.take_durable(TIER) != set(keys):
             row.problems.append(f"{label}: the four blocks were not all stored")
             return
         (tier,) = cache.tiers
@@ -253,7 +252,7 @@ async def check_repair(
     """The next store of the damaged key replaces whatever is at its name."""
     await store(cache, [key], calls)
     await calls("drain", cache.drain)
-    take_durable(cache, TIER)
+    cache.take_durable(TIER)
     found = await audit(cache, [key], calls)
     row.wrong_bytes += found.wrong_bytes
     if key not in found.present and block_path(tier, key).is_dir():

@@ -35,7 +35,6 @@ from faults._common import (
     keys_of,
     private_dir,
     store,
-    take_durable,
 )
 from kvtier_async.tiers.fs import FsTier
 
@@ -104,7 +103,7 @@ async def trial(row: Row, root: Path, level: str, seed: str, rng: random.Random)
                     written += keys
                     await store(cache, keys, calls)
                     await calls("drain", cache.drain)
-                    durable = take_durable(cache, TIER)
+                    durable = cache.take_durable(TIER)
                     if began_after and durable:
                         after |= durable
                         recovery = time.monotonic() - removed[0]

@@ -29,7 +29,6 @@ from faults._common import (
     cache_config,
     keys_of,
     store,
-    take_durable,
 )
 from kvtier_async.testing.s3server import MotoS3Server
 from kvtier_async.tiers.fs import HEADER_BYTES
@@ -84,7 +83,7 @@ async def trial(
     async with Watched(config) as cache, raw_client(server) as client:
         await store(cache, keys)
         await cache.drain()
-        if take_durable(cache, TIER) != set(keys):
+        if cache.take_durable(TIER) != set(keys):
             row.problems.append(f"{kind}: the four blocks were not all stored")
             return
         (tier,) = cache.tiers

@@ -49,7 +49,6 @@ from faults._common import (
     load_one,
     recover,
     store,
-    take_durable,
 )
 from faults._net import DelayProxy
 from kvtier_async.testing.s3server import MotoS3Server
@@ -243,7 +242,7 @@ async def before(cache: Watched, remote: list[bytes], resident: list[bytes]) -> 
     await cache.reset()
     await store(cache, resident)
     await cache.drain()
-    return take_durable(cache, TIER)
+    return cache.take_durable(TIER)
 
 
 async def window(
