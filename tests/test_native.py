@@ -18,10 +18,13 @@ from pathlib import Path
 import pytest
 
 from kvtier_async import _native
-from kvtier_async.tiers import _fsio
+from kvtier_async.tiers.fs import native_source
 from kvtier_async.transfer import hostcopy
 
-HELPERS = {"fsio": (_fsio._SOURCE, _fsio._FLAGS), "batch_copy": (hostcopy._SOURCE, ())}
+HELPERS = {
+    "fsio": (native_source.SOURCE, native_source.FLAGS),
+    "batch_copy": (hostcopy._SOURCE, ()),
+}
 
 
 @pytest.fixture(autouse=True)

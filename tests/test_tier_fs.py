@@ -2,10 +2,10 @@
 
 Block memory comes from a real `SharedRegion`, so O_DIRECT reads and writes hit page-aligned
 slots as in production. Faults are real where the machine allows (a directory squatting a block
-path, a size-limited tmpfs mount, dead processes) and injected through the module's syscall
-seams (``fs._open``, ``fs._pwritev``, ``fs._preadv``) otherwise. Multiprocess tests use the
-spawn context and coordinate with barriers and events; their timeouts only keep a broken test
-from hanging, they never order anything.
+path, a size-limited tmpfs mount, dead processes) and injected through the syscall seams of
+`kvtier_async.tiers.fs.blockio` (``_open``, ``_pwritev``, ``_preadv``) otherwise. Multiprocess
+tests use the spawn context and coordinate with barriers and events; their timeouts only keep a
+broken test from hanging, they never order anything.
 """
 
 from __future__ import annotations
@@ -43,9 +43,20 @@ from blockbuster import blockbuster_ctx
 from kvtier_async.config import ConfigError
 from kvtier_async.ledger import make_offload_key
 from kvtier_async.memory import RegionInUseError, SharedRegion
-from kvtier_async.tiers import fs
+from kvtier_async.tiers import blockfile, fs
+from kvtier_async.tiers._checksum import checksum
 from kvtier_async.tiers.base import TierContext, block_relpath, make_tier
-from kvtier_async.tiers.fs import HEADER_BYTES, FsTier
+from kvtier_async.tiers.fs import (
+    HEADER_BYTES,
+    FsTier,
+    blockio,
+    files,
+    native_source,
+    records,
+    tempfiles,
+)
+from kvtier_async.tiers.fs import native as fs_native
+from kvtier_async.tiers.fs import publish as fs_publish
 
 CTX = multiprocessing.get_context("spawn")
 WAIT_S = 60.0  # fail-safe only
@@ -65,25 +76,25 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture(autouse=True)
 def io_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """``native``: the C batch path (`kvtier_async.tiers._fsio`); ``python``: the fallback.
+    """``native``: the C batch path (`kvtier_async.tiers.fs.native`); ``python``: the fallback.
     The environment variable reaches spawned processes too."""
     path = str(request.param)
-    native = fs._fsio.native_fsio()  # cached now, before the variable below is set
+    native = fs_native.native_fsio()  # cached now, before the variable below is set
     if path == "native" and native is None:
         pytest.skip("the native fs I/O helper cannot be built here (no C compiler?)")
     if path == "python":
         monkeypatch.setenv("KVTIER_NATIVE_FS", "0")
-        monkeypatch.setattr(fs, "_native_fsio", lambda: None)
+        monkeypatch.setattr(files, "_native_fsio", lambda: None)
     return path
 
 
 @pytest.fixture
-def native(monkeypatch: pytest.MonkeyPatch) -> fs._fsio.FsIo:
+def native(monkeypatch: pytest.MonkeyPatch) -> fs_native.FsIo:
     """The C helper, put back for a ``single_path`` test that is about it."""
-    helper = fs._fsio.native_fsio()
+    helper = fs_native.native_fsio()
     if helper is None:
         pytest.skip("the native fs I/O helper cannot be built here")
-    monkeypatch.setattr(fs, "_native_fsio", lambda: helper)
+    monkeypatch.setattr(files, "_native_fsio", lambda: helper)
     return helper
 
 
@@ -187,19 +198,19 @@ def temp_files(root: Path) -> list[Path]:
 
 def refuse_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make every O_DIRECT open fail with EINVAL, as older tmpfs and overlayfs do."""
-    real_open = fs._open
+    real_open = blockio._open
 
     def open_without_direct(path: Any, flags: int, *args: Any) -> int:
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "O_DIRECT refused (test)", path)
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(fs, "_open", open_without_direct)
+    monkeypatch.setattr(blockio, "_open", open_without_direct)
 
 
 def use_publish(monkeypatch: pytest.MonkeyPatch, publish: str) -> None:
     """Make the tier publish new files with ``publish`` (see `fs.PUBLISH_ORDER`)."""
-    monkeypatch.setattr(fs, "PUBLISH_ORDER", (publish,))
+    monkeypatch.setattr(fs_publish, "PUBLISH_ORDER", (publish,))
 
 
 PUBLISH_MODES = ["rename", "linkat", "proc-linkat"]
@@ -237,7 +248,7 @@ async def test_disk_directory_uses_o_direct_for_loads_and_stores(
 ) -> None:
     use_publish(monkeypatch, publish)
     flags_seen: list[int] = []
-    real_open = fs._open
+    real_open = blockio._open
 
     def recording_open(path: Any, flags: int, *args: Any) -> int:
         flags_seen.append(flags)
@@ -247,7 +258,7 @@ async def test_disk_directory_uses_o_direct_for_loads_and_stores(
     async with opened(new_tier(disk_dir, 2 * PAGE)) as tier:
         if "io=O_DIRECT" not in tier.statistics().detail:
             pytest.skip(f"{DISK} refuses O_DIRECT here")
-        monkeypatch.setattr(fs, "_open", recording_open)
+        monkeypatch.setattr(blockio, "_open", recording_open)
         assert await tier.store(keys, views) == [True] * 3
         assert await tier.load(keys, views) == [True] * 3
     assert len(flags_seen) == 6
@@ -425,7 +436,7 @@ def _craft(kind: str, key: bytes, payload: bytes) -> bytes:
     )
     if kind == "foreign magic":  # another format whose header checksum is still right
         page[:8] = b"NOTKVTB\x00"
-        page[HEADER_BYTES - 8 :] = fs.checksum(page[: HEADER_BYTES - 8]).to_bytes(8, "little")
+        page[HEADER_BYTES - 8 :] = checksum(page[: HEADER_BYTES - 8]).to_bytes(8, "little")
     data = bytearray(page) + payload
     if kind == "header bit":
         data[20] ^= 0x10
@@ -472,7 +483,7 @@ async def test_both_io_paths_write_the_same_files(
     slots: Slots,
     monkeypatch: pytest.MonkeyPatch,
     writer: str,
-    native: fs._fsio.FsIo,
+    native: fs_native.FsIo,
 ) -> None:
     """Files written by one path load on the other, and through `fs.verify_block` (as the
     obj tier reads them)."""
@@ -480,7 +491,7 @@ async def test_both_io_paths_write_the_same_files(
     reader = "python" if writer == "native" else "native"
     keys, views = keys_for(3), slots.make(3, 3 * PAGE)
     stored = snapshot(views)
-    monkeypatch.setattr(fs, "_native_fsio", paths[writer])
+    monkeypatch.setattr(files, "_native_fsio", paths[writer])
     async with opened(new_tier(disk_dir, 3 * PAGE)) as tier:
         assert f"path={writer}" in tier.statistics().detail
         assert await tier.store(keys, views) == [True] * 3
@@ -488,7 +499,7 @@ async def test_both_io_paths_write_the_same_files(
         data = block_path(tier, key).read_bytes()
         fs.verify_block(memoryview(data[:HEADER_BYTES]), key, memoryview(data[HEADER_BYTES:]))
         assert data[HEADER_BYTES:] == expected
-    monkeypatch.setattr(fs, "_native_fsio", paths[reader])
+    monkeypatch.setattr(files, "_native_fsio", paths[reader])
     async with opened(new_tier(disk_dir, 3 * PAGE)) as tier:
         assert f"path={reader}" in tier.statistics().detail
         wipe(views)
@@ -543,7 +554,7 @@ async def test_io_error_on_load_fails_and_deletes(
         def fail(*args: Any) -> int:
             raise OSError(errno.EACCES if seam == "_open" else errno.EIO, "injected")
 
-        monkeypatch.setattr(fs, seam, fail)
+        monkeypatch.setattr(blockio, seam, fail)
         await _assert_fails_and_is_gone(tier, key, view, path)
 
 
@@ -610,7 +621,7 @@ async def test_a_store_replaces_a_symlink_at_the_block_name(disk_dir: Path, slot
 async def test_removed_keys_beyond_the_queue_are_dropped_and_counted(
     disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(fs, "REMOVED_QUEUE", 2)
+    monkeypatch.setattr(records, "REMOVED_QUEUE", 2)
     keys, views = keys_for(3), slots.make(3, PAGE)
     async with opened(new_tier(disk_dir)) as tier:
         assert await tier.store(keys, views) == [True] * 3
@@ -735,14 +746,14 @@ async def test_injected_enospc_fails_the_key_and_leaves_nothing(
     use_publish(monkeypatch, publish)
     keys, views = keys_for(3), slots.make(3, PAGE)
     async with opened(new_tier(disk_dir)) as tier:
-        real_pwritev = fs._pwritev
+        real_pwritev = blockio._pwritev
 
         def full_for_second(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
             if bytes(buffers[-1][:16]) == bytes(views[1][:16]):
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
             return real_pwritev(fd, buffers, offset)
 
-        monkeypatch.setattr(fs, "_pwritev", full_for_second)
+        monkeypatch.setattr(blockio, "_pwritev", full_for_second)
         assert await tier.store(keys, views) == [True, False, True]
         assert await tier.lookup(keys) == [True, False, True]
         assert tier.statistics().store_failures == 1
@@ -791,13 +802,72 @@ async def test_real_enospc_on_a_full_file_system(slots: Slots) -> None:
         assert sizes == {HEADER_BYTES + block_bytes}
 
 
+def store_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "fs store failed" in r.getMessage()]
+
+
+@pytest.mark.anyio
+async def test_a_full_file_system_shows_in_statistics_with_one_warning(
+    slots: Slots, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk: one warning line for all its failed stores (the rest counted), the
+    failures for lack of space counted, and ENOSPC as the last store error until a store
+    succeeds again."""
+    block_bytes = 64 << 10
+    keys, views = keys_for(12), slots.make(12, block_bytes)
+    with tiny_tmpfs("512k") as root, caplog.at_level(logging.WARNING, "kvtier_async.tiers.fs"):
+        async with opened(new_tier(root, block_bytes)) as tier:
+            assert tier.statistics().last_store_error == ""
+            results = [(await tier.store([key], [view]))[0] for key, view in zip(keys, views)]
+            failed = results.count(False)
+            assert failed >= 2 and results[0]
+            stats = tier.statistics()
+            assert (stats.no_space_failures, stats.last_store_error) == (failed, "ENOSPC")
+            assert len(store_warnings(caplog)) == 1 and "No space left" in caplog.text
+            assert stats.warnings_suppressed == failed - 1
+            os.unlink(block_path(tier, keys[0]))  # room for one block again
+            retry = results.index(False)
+            assert await tier.store([keys[retry]], [views[retry]]) == [True]
+            stats = tier.statistics()
+            assert (stats.no_space_failures, stats.last_store_error) == (failed, "")
+
+
+@pytest.mark.single_path
+@pytest.mark.anyio
+async def test_store_errors_in_statistics_name_the_last_one(
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys, views = keys_for(9), slots.make(9, PAGE)
+    real_pwritev = blockio._pwritev
+    error = [errno.ENOSPC]
+
+    def failing(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        raise OSError(error[0], os.strerror(error[0]))
+
+    with caplog.at_level(logging.WARNING, "kvtier_async.tiers.fs"):
+        async with opened(new_tier(disk_dir)) as tier:
+            monkeypatch.setattr(blockio, "_pwritev", failing)
+            assert await tier.store(keys[:3], views[:3]) == [False] * 3
+            stats = tier.statistics()
+            assert (stats.no_space_failures, stats.last_store_error) == (3, "ENOSPC")
+            error[0] = errno.EACCES
+            assert await tier.store(keys[3:6], views[3:6]) == [False] * 3
+            stats = tier.statistics()
+            assert (stats.no_space_failures, stats.last_store_error) == (3, "EACCES")
+            assert (stats.store_failures, stats.warnings_suppressed) == (6, 5)
+            monkeypatch.setattr(blockio, "_pwritev", real_pwritev)
+            assert await tier.store(keys[6:], views[6:]) == [True] * 3
+            assert tier.statistics().last_store_error == ""
+    assert len(store_warnings(caplog)) == 1
+
+
 @pytest.mark.single_path
 @pytest.mark.anyio
 async def test_cancelled_store_leaves_only_complete_files(
     disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     keys, views = keys_for(8), slots.make(8, PAGE)
-    real_pwritev = fs._pwritev
+    real_pwritev = blockio._pwritev
     async with opened(new_tier(disk_dir)) as tier:
         with anyio.CancelScope() as scope:
 
@@ -805,10 +875,10 @@ async def test_cancelled_store_leaves_only_complete_files(
                 anyio.from_thread.run_sync(scope.cancel)
                 return real_pwritev(fd, buffers, offset)
 
-            monkeypatch.setattr(fs, "_pwritev", cancel_then_write)
+            monkeypatch.setattr(blockio, "_pwritev", cancel_then_write)
             await tier.store(keys, views)
         assert scope.cancel_called  # whether the call then raised depends on the backend
-        monkeypatch.setattr(fs, "_pwritev", real_pwritev)
+        monkeypatch.setattr(blockio, "_pwritev", real_pwritev)
         present = await tier.lookup(keys)
         assert temp_files(disk_dir) == []
         wipe(views)
@@ -875,11 +945,11 @@ def _temp_name(token: str, pid: int, start: int) -> str:
 def _crash_with_a_temp_file(directory: Path) -> None:
     """A process that creates a named temporary as a store does, then dies at once."""
     code = (
-        "import os, sys; from kvtier_async.tiers import fs; "
-        "fd, name = fs._create_file(sys.argv[1], 'rename', False); "
+        "import os, sys; from kvtier_async.tiers.fs import publish; "
+        "fd, name = publish.create_file(sys.argv[1], 'rename', False); "
         "os.write(fd, b'partial'); print(name, flush=True); os._exit(1)"
     )
-    src = str(Path(fs.__file__).parents[2])
+    src = str(Path(fs.__file__).parents[3])
     env = {**os.environ, "PYTHONPATH": src}
     done = subprocess.run(
         [sys.executable, "-c", code, str(directory)], capture_output=True, env=env, check=False
@@ -896,11 +966,11 @@ async def test_open_removes_only_temp_files_of_dead_writers(disk_dir: Path) -> N
     leaf = rank_dir / "abc" / "de_g0"
     leaf.mkdir(parents=True)
     _crash_with_a_temp_file(leaf)
-    me = await anyio.to_thread.run_sync(fs._identity)
+    me = await anyio.to_thread.run_sync(tempfiles.identity)
     peer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                             stdin=subprocess.PIPE)  # fmt: skip
     try:
-        peer_start = await anyio.to_thread.run_sync(fs._process_start, peer.pid)
+        peer_start = await anyio.to_thread.run_sync(tempfiles.process_start, peer.pid)
         assert peer_start is not None
         names = {
             "live peer": _temp_name(me.token, peer.pid, peer_start),
@@ -1249,7 +1319,7 @@ async def test_calls_before_open_raise(disk_dir: Path) -> None:
 @pytest.mark.parametrize(
     "length", [0, 1, 7, 8, 9, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 771, 1 << 20]
 )
-def test_native_crc32c_matches_the_crc32c_package(length: int, native: fs._fsio.FsIo) -> None:
+def test_native_crc32c_matches_the_crc32c_package(length: int, native: fs_native.FsIo) -> None:
     """Around every stride of the interleaved loops, at every alignment mod 8."""
     data = os.urandom(length + 8)
     buffer = ctypes.create_string_buffer(data, len(data))
@@ -1259,25 +1329,93 @@ def test_native_crc32c_matches_the_crc32c_package(length: int, native: fs._fsio.
 
 
 @pytest.mark.single_path
+@pytest.mark.anyio
+async def test_the_c_helper_writes_the_header_python_packs(
+    disk_dir: Path, slots: Slots, native: fs_native.FsIo
+) -> None:
+    """Byte for byte: the C store fills in the sums of the header Python laid out, and the
+    page equals the one `pack_header` makes for the same key and payload."""
+    keys, views = keys_for(3), slots.make(3, 3 * PAGE)
+    async with opened(new_tier(disk_dir, 3 * PAGE)) as tier:
+        assert "path=native" in tier.statistics().detail
+        assert await tier.store(keys, views) == [True] * 3
+    for key, view in zip(keys, views, strict=True):
+        page = memoryview(bytearray(HEADER_BYTES))
+        fs.pack_header(page, key, view)
+        assert block_path(tier, key).read_bytes()[:HEADER_BYTES] == bytes(page)
+
+
+def _with_field_changed(data: bytes, name: str) -> bytes:
+    """``data`` (a block file) with one bit of header field ``name`` flipped and the header
+    checksum made right again, so only that field's check can fail."""
+    spot = blockfile.field(name).offset
+    page = bytearray(data[:HEADER_BYTES])
+    page[spot] ^= 0x01
+    page[blockfile.HEADER_SUM_AT :] = checksum(page[: blockfile.HEADER_SUM_AT]).to_bytes(
+        8, "little"
+    )
+    return bytes(page) + data[HEADER_BYTES:]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", [f.name for f in blockfile.FIELDS])
+async def test_every_header_field_is_checked_as_the_python_verifier_does(
+    disk_dir: Path, slots: Slots, caplog: pytest.LogCaptureFixture, name: str
+) -> None:
+    """For each field of the layout, on both I/O paths, a load passes or fails with the
+    verdict `verify_block` gives: the C side reads every offset from the same table."""
+    async with opened(new_tier(disk_dir, 2 * PAGE)) as tier:
+        key, view, path = await _stored_block(tier, slots)
+        damaged = _with_field_changed(path.read_bytes(), name)
+        path.write_bytes(damaged)
+        try:
+            fs.verify_block(
+                memoryview(damaged[:HEADER_BYTES]), key, memoryview(damaged[HEADER_BYTES:])
+            )
+            verdict = None
+        except fs.CorruptBlockError as exc:
+            verdict = str(exc)
+        assert (verdict is None) == (blockfile.field(name).check is None)
+        with caplog.at_level(logging.WARNING, logger="kvtier_async.tiers.fs"):
+            assert await tier.load([key], [view]) == [verdict is None]
+    errors = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+    assert errors == ([] if verdict is None else [errors[0]])
+    if verdict is not None:
+        assert f"error={verdict!r}" in errors[0]
+
+
+@pytest.mark.single_path
+def test_the_c_code_writes_no_header_offset_of_its_own() -> None:
+    """The store and load loops take every offset, size and code from the generated lines:
+    no integer literal but 0 and 1 is left in them."""
+    code = native_source.SOURCE
+    loops = code[code.index("static void store_one") : code.index("static void run_one")]
+    loops = re.sub(r"/\*.*?\*/", "", loops, flags=re.DOTALL)
+    assert set(re.findall(r"(?<![\w.])\d+(?![\w.])", loops)) <= {"0", "1"}
+    for f in blockfile.FIELDS:
+        assert f"#define KVB_{f.name.upper()}_AT {f.offset}\n" in code
+
+
+@pytest.mark.single_path
 def test_without_a_compiler_the_python_path_is_used(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.delenv("KVTIER_NATIVE_FS", raising=False)
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    with caplog.at_level(logging.INFO, logger="kvtier_async.tiers._fsio"):
-        assert fs._fsio.native_fsio.__wrapped__() is None
+    with caplog.at_level(logging.INFO, logger="kvtier_async.tiers.fs.native"):
+        assert fs_native.native_fsio.__wrapped__() is None
     assert "native fs I/O unavailable" in caplog.text
     monkeypatch.delenv("CC")
     monkeypatch.setenv("KVTIER_NATIVE_FS", "0")
-    assert fs._fsio.native_fsio.__wrapped__() is None
+    assert fs_native.native_fsio.__wrapped__() is None
     monkeypatch.setenv("KVTIER_NATIVE_FS", "1")
-    built = fs._fsio.native_fsio.__wrapped__()
+    built = fs_native.native_fsio.__wrapped__()
     assert built is not None and list(tmp_path.glob("fsio_*.so"))
 
 
 @pytest.mark.single_path
-def test_closing_a_pool_waits_for_the_batches_in_flight(native: fs._fsio.FsIo) -> None:
+def test_closing_a_pool_waits_for_the_batches_in_flight(native: fs_native.FsIo) -> None:
     pool = native.pool(2, "kvfs-r-waits")
     assert pool is not None and pool.threads == 2
     assert pool_threads("waits") == {"kvfs-r-waits": 2}
@@ -1291,7 +1429,7 @@ def test_closing_a_pool_waits_for_the_batches_in_flight(native: fs._fsio.FsIo) -
     closer.join(WAIT_S)
     assert not closer.is_alive()
     assert pool_threads("waits") == {}
-    with pytest.raises(fs._fsio.PoolClosedError, match="kvfs-r-waits"), pool.use():
+    with pytest.raises(fs_native.PoolClosedError, match="kvfs-r-waits"), pool.use():
         pass
     pool.close()  # twice is harmless
 
@@ -1299,7 +1437,7 @@ def test_closing_a_pool_waits_for_the_batches_in_flight(native: fs._fsio.FsIo) -
 @pytest.mark.single_path
 @pytest.mark.anyio
 async def test_batches_run_in_the_callers_thread_when_the_pools_are_gone(
-    disk_dir: Path, slots: Slots, native: fs._fsio.FsIo
+    disk_dir: Path, slots: Slots, native: fs_native.FsIo
 ) -> None:
     keys, views = keys_for(6), slots.make(6, PAGE)
     expected = snapshot(views)
@@ -1319,7 +1457,7 @@ async def test_batches_run_in_the_callers_thread_when_the_pools_are_gone(
 async def test_no_pool_thread_starting_leaves_the_batches_in_the_callers_thread(
     disk_dir: Path,
     slots: Slots,
-    native: fs._fsio.FsIo,
+    native: fs_native.FsIo,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -1340,7 +1478,7 @@ async def test_no_pool_thread_starting_leaves_the_batches_in_the_callers_thread(
 @pytest.mark.single_path
 @pytest.mark.anyio
 async def test_a_forked_child_loads_without_the_parents_pool_threads(
-    disk_dir: Path, slots: Slots, native: fs._fsio.FsIo
+    disk_dir: Path, slots: Slots, native: fs_native.FsIo
 ) -> None:
     keys, views = keys_for(4), slots.make(4, PAGE)
     expected = snapshot(views)
@@ -1373,7 +1511,7 @@ async def test_a_forked_child_loads_without_the_parents_pool_threads(
 
 @pytest.mark.single_path
 def test_a_pool_of_the_most_workers_the_config_allows_starts_whole(
-    native: fs._fsio.FsIo,
+    native: fs_native.FsIo,
 ) -> None:
     pool = native.pool(1024, "kvfs-w-most")  # n_*_workers: at most 1024
     assert pool is not None

@@ -32,7 +32,7 @@ less): on a small VM the file system's metadata work and the checksums compete f
 cores, so this is what a store or load costs the serving process beside its speed.
 
 Changes measured with it (2 vCPUs, virtio ext4 without a journal, 256 KiB stores unless
-said): the C batch path (`kvtier_async.tiers._fsio`) took stores from 0.55-0.74x to
+said): the C batch path (`kvtier_async.tiers.fs.native`) took stores from 0.55-0.74x to
 0.97-1.13x of ``dd`` and from 0.87x to 1.21-1.27x of vLLM in settled runs; 32 writers
 against 16: at or above in two of three A/B runs; CRC-32C in three streams: 18 GB/s instead
 of 7 (CPU per GB only); pre-creating the 4096 top-level directories, O_TMPFILE + ``linkat``

@@ -1,4 +1,4 @@
-"""The secondary-tier contract, the block naming shared by fs and obj, and the tier factory.
+"""The secondary-tier contract, the tier context, and the tier factory.
 
 A secondary tier moves whole blocks between primary-tier memory and its own storage. It
 sees keys and memory, never the ledger: the engine calls it from its worker tasks and turns
@@ -18,6 +18,9 @@ Preconditions (guaranteed by the engine):
 Every method is a coroutine that never blocks the event loop: blocking system calls run in
 worker threads (``anyio.to_thread.run_sync``). A tier reports per-key outcomes; it raises
 only when the whole call failed (the engine then fails every key of the job).
+
+A block's name below a tier's root is `block_relpath` (`kvtier_async.tiers.blockfile`, with
+the block file format; re-exported here), the same for fs and obj.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from kvtier_async.config import ConfigError, Section
-from kvtier_async.ledger import split_offload_key
+from kvtier_async.tiers.blockfile import block_relpath
 
 __all__ = [
     "FORMAT_VERSION",
@@ -78,13 +81,6 @@ class TierContext:
         digest = hashlib.sha256(blob).hexdigest()[:12]
         model = "".join(c if c.isalnum() or c in "-_." else "-" for c in self.model)
         return f"{model.strip('.') or 'model'}_{digest}"
-
-
-def block_relpath(ctx: TierContext, key: bytes) -> str:
-    """``<model>_<digest>/r<rank>/<hhh>/<hh>_g<group>/<hex key>.bin``, hex names only."""
-    block_hash, group = split_offload_key(key)
-    hexkey = block_hash.hex()
-    return f"{ctx.namespace}/r{ctx.rank}/{hexkey[:3]}/{hexkey[3:5]}_g{group}/{hexkey}.bin"
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,9 @@
-"""The fs tier's batch I/O in C: the blocks of a batch spread over C worker threads, no GIL.
-
-`FsTier` hands each store or load batch to this helper. In Python each block costs about
-ten system calls and their wrappers, a CRC-32C pass, header packing and, between every
-step, a fight for the GIL with 15 other workers and the event loop: on the 2-core dev box
-that held 256 KiB stores to 0.55-0.74x of parallel ``dd``. Here the same steps run in C
-(`FsIo.run`), called through ctypes, which releases the GIL for the whole batch; Python
-keeps what needs its data structures (paths, the directory cache, the access record,
-logging). The file format and the outcome of every step are those of the Python path in
-`kvtier_async.tiers.fs`, which remains the fallback (no C compiler, ``KVTIER_NATIVE_FS=0``)
-and the reference the tests hold this one to.
-
-A batch runs on a `Pool`: ``n`` C threads (named ``kvfs-r-<tier>`` / ``kvfs-w-<tier>``)
-that take the blocks of the queued batches one at a time, in order, while the calling
-thread waits; so one worker-thread call per batch keeps ``n`` blocks in flight, and a
-2 MiB block costs no thread hop of its own (per 2 MiB load: 0.19 instead of 0.27 core-s/GB
-measured, with one call per two blocks before). Without a pool (none could start, it is
-closed, or this is a forked child, which has none of its threads) a batch runs in the
-calling thread.
+"""The C source of the fs tier's batch I/O helper (`kvtier_async.tiers.fs.native`), assembled
+from the hand-written code below and lines generated from Python: the block file layout
+(`kvtier_async.tiers.blockfile.c_defines`) and the result codes, steps and batch kinds this
+module defines for both sides. `SOURCE` is what `kvtier_async._native.build_library` compiles,
+so the build cache key covers the generated lines: a change of the format or of a code here
+rebuilds the helper, and no offset or code is written twice.
 
 Per block, a store: ``lstat`` the final name unless the directory is new (a complete file
 there: done; a wrong-sized regular file or a symbolic link: deleted, noted), CRC-32C the
@@ -26,34 +13,27 @@ to ``mode`` when asked: the umask may have narrowed it), ``pwritev`` header and 
 optional ``fsync``, ``close``, ``rename``. On a failure the temporary is unlinked and the
 step and ``errno`` are reported. A load: ``open(O_NOFOLLOW)`` (``ENOENT``: a miss; a
 symbolic link fails with ``ELOOP``, never followed), ``fstat``, ``preadv`` into [header page,
-slot], the same checks as `kvtier_async.tiers.fs.verify_block` in the same order (a file
-of the wrong size or not regular fails after the short-read check), and on a failure the
+slot], the same checks as `kvtier_async.tiers.blockfile.verify_block` in the same order (a
+file of the wrong size or not regular fails after the short-read check), and on a failure the
 file's device and inode (so Python deletes only that file).
 
 CRC-32C uses SSE 4.2 on x86-64 (three interleaved streams joined by zero-append operators,
 Mark Adler's method: 2.5-3x one stream) or the ARMv8 CRC instructions when the CPU has them,
-else a slicing-by-8 table; `native_fsio` checks it against the ``crc32c`` package before
-use.
+else a slicing-by-8 table; `kvtier_async.tiers.fs.native.native_fsio` checks it against the
+``crc32c`` package before use.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
-import os
-import platform
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Final
 
-import crc32c
-
-from kvtier_async._log import get_logger
-from kvtier_async._native import BUILD_ERRORS, build_library, disabled
+from kvtier_async.tiers.blockfile import c_defines
 
 __all__ = [
+    "FLAGS",
+    "KIND_LOAD",
+    "KIND_STORE",
     "LOAD_BAD_HEADER",
     "LOAD_BAD_LENGTH",
     "LOAD_BAD_PAYLOAD",
@@ -63,23 +43,23 @@ __all__ = [
     "LOAD_OK",
     "LOAD_SHORT",
     "LOAD_WRONG_KEY",
+    "SOURCE",
     "STEP_NAMES",
+    "STEP_OPEN",
+    "STORE_FAILED",
     "STORE_PRESENT",
     "STORE_WRITTEN",
-    "FsIo",
-    "LoadArgs",
-    "Pool",
-    "PoolClosedError",
-    "StoreArgs",
-    "native_fsio",
 ]
 
-log = get_logger(__name__)
-
-# Store results (per block): a negative value is -errno of the step in ``steps``.
+# Store results (per block): a negative value is -errno of the step in ``steps``. A store's
+# outcome on either I/O path is one of STORE_FAILED (Python's; C reports -errno), STORE_PRESENT
+# (a complete file was there) and STORE_WRITTEN.
+STORE_FAILED: Final = 0
 STORE_PRESENT: Final = 1
 STORE_WRITTEN: Final = 2
 STEP_NAMES: Final = {1: "open", 2: "write", 3: "fsync", 4: "rename", 5: "stat"}
+STEP_OPEN: Final = 1
+_STEP_READ: Final = 2  # a load's
 # Load results (per block): negative is -errno of open (step 1) or read (step 2).
 LOAD_MISSING: Final = 0
 LOAD_OK: Final = 1
@@ -90,8 +70,12 @@ LOAD_BAD_LENGTH: Final = 13
 LOAD_WRONG_KEY: Final = 14
 LOAD_BAD_PAYLOAD: Final = 15
 LOAD_BAD_SIZE: Final = 16  # longer than a block file, or not a regular file
+KIND_STORE: Final = 0
+KIND_LOAD: Final = 1
 
-_SOURCE: Final = r"""
+FLAGS: Final = ("-std=gnu11",)
+
+_INCLUDES: Final = r"""
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -105,7 +89,9 @@ _SOURCE: Final = r"""
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <unistd.h>
+"""
 
+_CODE: Final = r"""
 /* -- CRC-32C (Castagnoli), the value of the crc32c package -------------------------- */
 
 static uint32_t table[8][256];
@@ -287,11 +273,16 @@ static int64_t move_all(int fd, int writing, unsigned char *head, size_t head_n,
 
 /* -- one block's store and load -------------------------------------------------------- */
 
+/* The header layout (KVB_*), the result codes (STORE_*, LOAD_*), the failed steps (STEP_*)
+   and the batch kinds (KIND_*) are defined above, generated from Python. */
+_Static_assert(KVB_PAYLOAD_SUM_SIZE == sizeof(uint64_t), "the payload sum is a uint64");
+_Static_assert(KVB_HEADER_SUM_SIZE == sizeof(uint64_t), "the header sum is a uint64");
+
 /* A batch of stores. Per block i: temps[i] (named temporary), finals[i], check[i] (stat the
-   final name first), heads[i] (a header page whose bytes Python filled except the payload
-   sum at sum_at and the header sum at head_n - 8), bodies[i] (body_n bytes), flags[i]
-   (extra open flags); file_mode (of the temporary; fchmod'ed to it if fix_mode). Out:
-   result[i] (2 written, 1 present, -errno), step[i] (which call failed), noted[i] (1: a
+   final name first), heads[i] (a header page of KVB_HEADER_BYTES whose bytes Python filled
+   except the payload sum and the header sum), bodies[i] (body_n bytes), flags[i] (extra open
+   flags); file_mode (of the temporary; fchmod'ed to it if fix_mode). Out: result[i]
+   (STORE_WRITTEN, STORE_PRESENT, -errno), step[i] (which call failed: STEP_*), noted[i] (1: a
    wrong-sized file or a symbolic link at the final name was deleted). */
 struct store_args {
     int64_t n;
@@ -299,19 +290,19 @@ struct store_args {
     const int32_t *check;
     unsigned char **heads, **bodies;
     const int32_t *flags;
-    int64_t head_n, body_n, sum_at;
+    int64_t body_n;
     int32_t do_fsync, file_mode, fix_mode;
     int32_t *result, *step, *noted;
 };
 
 static void store_one(const struct store_args *a, int64_t i) {
-    int64_t head_n = a->head_n, body_n = a->body_n;
+    int64_t head_n = KVB_HEADER_BYTES, body_n = a->body_n;
     a->step[i] = 0; a->noted[i] = 0;
     if (a->check[i]) {
         struct stat st;
         if (lstat(a->finals[i], &st) == 0) {
             if (S_ISREG(st.st_mode) && st.st_size == head_n + body_n) {
-                a->result[i] = 1;
+                a->result[i] = STORE_PRESENT;
                 return;
             }
             if ((S_ISREG(st.st_mode) || S_ISLNK(st.st_mode)) && unlink(a->finals[i]) == 0)
@@ -320,80 +311,79 @@ static void store_one(const struct store_args *a, int64_t i) {
     }
     unsigned char *head = a->heads[i];
     uint64_t sum = kvtier_crc32c(a->bodies[i], (size_t)body_n);
-    memcpy(head + a->sum_at, &sum, 8);
-    uint64_t head_sum = kvtier_crc32c(head, (size_t)head_n - 8);
-    memcpy(head + head_n - 8, &head_sum, 8);
+    memcpy(head + KVB_PAYLOAD_SUM_AT, &sum, KVB_PAYLOAD_SUM_SIZE);
+    uint64_t head_sum = kvtier_crc32c(head, KVB_HEADER_SUM_AT);
+    memcpy(head + KVB_HEADER_SUM_AT, &head_sum, KVB_HEADER_SUM_SIZE);
     int fd = open(a->temps[i], O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW | a->flags[i],
                   (mode_t)a->file_mode);
-    if (fd < 0) { a->result[i] = -errno; a->step[i] = 1; return; }
+    if (fd < 0) { a->result[i] = -errno; a->step[i] = STEP_OPEN; return; }
     int err = 0;
-    if (a->fix_mode && fchmod(fd, (mode_t)a->file_mode) != 0) { err = -errno; a->step[i] = 1; }
+    if (a->fix_mode && fchmod(fd, (mode_t)a->file_mode) != 0) {
+        err = -errno; a->step[i] = STEP_OPEN;
+    }
     if (!err) {
         int64_t wrote = move_all(fd, 1, head, (size_t)head_n, a->bodies[i], (size_t)body_n);
-        if (wrote < 0) { err = (int)wrote; a->step[i] = 2; }
+        if (wrote < 0) { err = (int)wrote; a->step[i] = STEP_WRITE; }
     }
-    if (!err && a->do_fsync && fsync(fd) != 0) { err = -errno; a->step[i] = 3; }
+    if (!err && a->do_fsync && fsync(fd) != 0) { err = -errno; a->step[i] = STEP_FSYNC; }
     close(fd);
-    if (!err && rename(a->temps[i], a->finals[i]) != 0) { err = -errno; a->step[i] = 4; }
+    if (!err && rename(a->temps[i], a->finals[i]) != 0) { err = -errno; a->step[i] = STEP_RENAME; }
     if (err) { unlink(a->temps[i]); a->result[i] = err; return; }
-    a->result[i] = 2;
+    a->result[i] = STORE_WRITTEN;
 }
 
-/* A batch of loads. Per block i: paths[i], heads[i] (a page-aligned scratch page, head_n
-   bytes), bodies[i], flags[i], expect + 56 * i (the first 56 header bytes of this key's
-   file, payload sum zeroed). Out: result[i] (1 good, 0 missing, -errno, or 10..16: see the
-   LOAD_ constants), step[i], got[i] (bytes read; for 16 the file's size), dev[i]/ino[i]
-   (the file read, on a failure). */
+/* A batch of loads. Per block i: paths[i], heads[i] (a page-aligned scratch page of
+   KVB_HEADER_BYTES), bodies[i], flags[i], expect + KVB_FIELDS_BYTES * i (the header fields
+   of this key's file, payload sum zeroed). Out: result[i] (LOAD_OK, LOAD_MISSING, -errno, or
+   the check that failed: LOAD_SHORT...LOAD_BAD_SIZE), step[i], got[i] (bytes read; for
+   LOAD_BAD_SIZE the file's size), dev[i]/ino[i] (the file read, on a failure). The checks
+   run in the order of `kvtier_async.tiers.blockfile.verify_block`. */
 struct load_args {
     int64_t n;
     char **paths;
     unsigned char **heads, **bodies;
     const int32_t *flags;
     const unsigned char *expect;
-    int64_t head_n, body_n, sum_at;
+    int64_t body_n;
     int32_t *result, *step;
     int64_t *got;
     uint64_t *dev, *ino;
 };
 
 static void load_one(const struct load_args *a, int64_t i) {
-    int64_t head_n = a->head_n, body_n = a->body_n;
+    int64_t head_n = KVB_HEADER_BYTES, body_n = a->body_n;
     a->step[i] = 0; a->got[i] = 0; a->dev[i] = 0; a->ino[i] = 0;
     int fd = open(a->paths[i], O_RDONLY | O_CLOEXEC | O_NOFOLLOW | a->flags[i]);
     if (fd < 0) {
-        a->result[i] = errno == ENOENT ? 0 : -errno;
-        a->step[i] = 1;
+        a->result[i] = errno == ENOENT ? LOAD_MISSING : -errno;
+        a->step[i] = STEP_OPEN;
         return;
     }
     unsigned char *head = a->heads[i], *body = a->bodies[i];
-    const unsigned char *want = a->expect + 56 * i;
+    const unsigned char *want = a->expect + (size_t)KVB_FIELDS_BYTES * (size_t)i;
     struct stat st;
     int have_st = fstat(fd, &st) == 0;
     int64_t r = move_all(fd, 0, head, (size_t)head_n, body, (size_t)body_n);
-    int res = 1;
+    int res = LOAD_OK;
     uint64_t stored;
-    if (r < 0) { res = (int)r; a->step[i] = 2; }
-    else if (r != head_n + body_n) res = 10;
+    if (r < 0) { res = (int)r; a->step[i] = STEP_READ; }
+    else if (r != head_n + body_n) res = LOAD_SHORT;
     else if (!have_st || !S_ISREG(st.st_mode) || st.st_size != head_n + body_n) {
-        res = 16;
+        res = LOAD_BAD_SIZE;
         r = have_st ? (int64_t)st.st_size : r;
     }
-    else if (memcpy(&stored, head + head_n - 8, 8),
-             stored != kvtier_crc32c(head, (size_t)head_n - 8)) res = 11;
-    else if (memcmp(head, want, 10) || memcmp(head + 12, want + 12, 4) ||
-             memcmp(head + 40, want + 40, 16)) res = 12;
-    else if (memcmp(head + 16, want + 16, 8)) res = 13;
-    else if (memcmp(head + 32, want + 32, 8)) res = 14;
-    else if (memcpy(&stored, head + a->sum_at, 8),
-             stored != kvtier_crc32c(body, (size_t)body_n)) res = 15;
+    else if (memcpy(&stored, head + KVB_HEADER_SUM_AT, KVB_HEADER_SUM_SIZE),
+             stored != kvtier_crc32c(head, KVB_HEADER_SUM_AT)) res = LOAD_BAD_HEADER;
+    else if (KVB_DIFFERS_FORMAT(head, want)) res = LOAD_FOREIGN;
+    else if (KVB_DIFFERS_LENGTH(head, want)) res = LOAD_BAD_LENGTH;
+    else if (KVB_DIFFERS_KEY(head, want)) res = LOAD_WRONG_KEY;
+    else if (memcpy(&stored, head + KVB_PAYLOAD_SUM_AT, KVB_PAYLOAD_SUM_SIZE),
+             stored != kvtier_crc32c(body, (size_t)body_n)) res = LOAD_BAD_PAYLOAD;
     a->got[i] = r < 0 ? 0 : r;
-    if (res != 1 && have_st) { a->dev[i] = st.st_dev; a->ino[i] = st.st_ino; }
+    if (res != LOAD_OK && have_st) { a->dev[i] = st.st_dev; a->ino[i] = st.st_ino; }
     close(fd);
     a->result[i] = res;
 }
-
-#define KIND_STORE 0
-#define KIND_LOAD 1
 
 static void run_one(int kind, void *args, int64_t i) {
     if (kind == KIND_STORE) store_one(args, i);
@@ -511,145 +501,28 @@ void kvtier_run(void *pool, int32_t kind, void *args) {
 }
 """
 
-_FLAGS: Final = ("-std=gnu11",)
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_I32 = ctypes.c_int32
 
-KIND_STORE: Final = 0
-KIND_LOAD: Final = 1
-
-
-class StoreArgs(ctypes.Structure):
-    """``struct store_args``: one batch of stores (arrays by address, one entry per block)."""
-
-    _fields_ = [
-        ("n", _I64), ("temps", _P), ("finals", _P), ("check", _P), ("heads", _P),
-        ("bodies", _P), ("flags", _P), ("head_n", _I64), ("body_n", _I64), ("sum_at", _I64),
-        ("do_fsync", _I32), ("file_mode", _I32), ("fix_mode", _I32), ("result", _P),
-        ("step", _P), ("noted", _P),
-    ]  # fmt: skip
-
-
-class LoadArgs(ctypes.Structure):
-    """``struct load_args``: one batch of loads (arrays by address, one entry per block)."""
-
-    _fields_ = [
-        ("n", _I64), ("paths", _P), ("heads", _P), ("bodies", _P), ("flags", _P),
-        ("expect", _P), ("head_n", _I64), ("body_n", _I64), ("sum_at", _I64), ("result", _P),
-        ("step", _P), ("got", _P), ("dev", _P), ("ino", _P),
-    ]  # fmt: skip
+def _c_codes() -> Iterator[str]:
+    yield "/* Result codes, steps and batch kinds, generated from Python. */"
+    codes = {
+        "STORE_PRESENT": STORE_PRESENT,
+        "STORE_WRITTEN": STORE_WRITTEN,
+        **{f"STEP_{name.upper()}": step for step, name in STEP_NAMES.items()},
+        "STEP_READ": _STEP_READ,
+        "LOAD_MISSING": LOAD_MISSING,
+        "LOAD_OK": LOAD_OK,
+        "LOAD_SHORT": LOAD_SHORT,
+        "LOAD_BAD_HEADER": LOAD_BAD_HEADER,
+        "LOAD_FOREIGN": LOAD_FOREIGN,
+        "LOAD_BAD_LENGTH": LOAD_BAD_LENGTH,
+        "LOAD_WRONG_KEY": LOAD_WRONG_KEY,
+        "LOAD_BAD_PAYLOAD": LOAD_BAD_PAYLOAD,
+        "LOAD_BAD_SIZE": LOAD_BAD_SIZE,
+        "KIND_STORE": KIND_STORE,
+        "KIND_LOAD": KIND_LOAD,
+    }
+    for name, value in codes.items():
+        yield f"#define {name} {value}"
 
 
-@dataclass(frozen=True)
-class FsIo:
-    """The compiled helper: `run` a batch (see the module docstring), `crc32c`, and the
-    worker pools (`Pool`)."""
-
-    library: ctypes.CDLL
-    hardware_crc: bool
-
-    def crc32c(self, address: int, nbytes: int) -> int:
-        value: int = self.library.kvtier_crc32c(address, nbytes)
-        return value
-
-    def run(self, pool: Pool | None, args: StoreArgs | LoadArgs) -> None:
-        """Run one batch on ``pool``'s workers (None: in this thread); returns when done."""
-        kind = KIND_STORE if isinstance(args, StoreArgs) else KIND_LOAD
-        if pool is not None:
-            try:
-                with pool.use() as handle:
-                    self.library.kvtier_run(handle, kind, ctypes.byref(args))
-                return
-            except PoolClosedError:
-                pass  # closed under a call in flight, or a forked child: this thread
-        self.library.kvtier_run(None, kind, ctypes.byref(args))
-
-    def pool(self, threads: int, name: str) -> Pool | None:
-        """A pool of ``threads`` workers named ``name``; None if no thread could start."""
-        handle = self.library.kvtier_pool_new(threads, name.encode()[:15])
-        if not handle:
-            return None
-        return Pool(self.library, handle, self.library.kvtier_pool_threads(handle), name)
-
-    def describe(self) -> str:
-        return f"native(crc32c={'hardware' if self.hardware_crc else 'table'})"
-
-
-class Pool:
-    """C worker threads for batches (``kvtier_pool_*``). `use` counts the calls in flight,
-    so `close` frees the threads only after the last one has returned; after `close`, or in
-    a child process after ``fork`` (which has none of the threads), `use` raises
-    `PoolClosedError` and callers run the batch in their own thread instead."""
-
-    def __init__(self, library: ctypes.CDLL, handle: int, threads: int, name: str) -> None:
-        self._library = library
-        self._handle: int | None = handle
-        self._pid = os.getpid()
-        self._busy = 0
-        self._idle = threading.Condition()
-        self.threads = threads
-        self.name = name
-
-    @contextlib.contextmanager
-    def use(self) -> Iterator[int]:
-        """The pool's handle, counted as in use for the ``with`` body."""
-        with self._idle:
-            if self._handle is None or self._pid != os.getpid():
-                raise PoolClosedError(f"worker pool {self.name!r} is closed")
-            self._busy += 1
-            handle = self._handle
-        try:
-            yield handle
-        finally:
-            with self._idle:
-                self._busy -= 1
-                if not self._busy:
-                    self._idle.notify_all()
-
-    def close(self) -> None:
-        """Blocking: wait for the calls in flight, then stop and join the workers."""
-        with self._idle:
-            handle, self._handle = self._handle, None
-            self._idle.wait_for(lambda: not self._busy)
-        if handle is not None and self._pid == os.getpid():
-            self._library.kvtier_pool_free(handle)
-
-
-class PoolClosedError(RuntimeError):
-    """A batch was given to a `Pool` that is closed (or belongs to the parent process)."""
-
-
-@functools.cache
-def native_fsio() -> FsIo | None:
-    """The compiled helper, or None when disabled (``KVTIER_NATIVE_FS=0``), not Linux, or
-    it cannot be built, or its CRC-32C disagrees with the ``crc32c`` package."""
-    if disabled("KVTIER_NATIVE_FS") or not hasattr(os, "O_DIRECT"):
-        return None
-    try:
-        library = ctypes.CDLL(str(build_library("fsio", _SOURCE, _FLAGS)))
-    except BUILD_ERRORS as exc:
-        log.info("native fs I/O unavailable; using the Python path", error=str(exc))
-        return None
-    library.kvtier_crc32c.argtypes = [_P, ctypes.c_size_t]
-    library.kvtier_crc32c.restype = ctypes.c_uint32
-    library.kvtier_crc32c_hardware.argtypes = []
-    library.kvtier_crc32c_hardware.restype = ctypes.c_int
-    library.kvtier_run.argtypes = [_P, _I32, _P]
-    library.kvtier_run.restype = None
-    library.kvtier_pool_new.argtypes = [_I32, ctypes.c_char_p]
-    library.kvtier_pool_new.restype = _P
-    library.kvtier_pool_threads.argtypes = [_P]
-    library.kvtier_pool_threads.restype = _I32
-    library.kvtier_pool_free.argtypes = [_P]
-    library.kvtier_pool_free.restype = None
-    fsio = FsIo(library, bool(library.kvtier_crc32c_hardware()))
-    sample = bytes(range(256)) * 17 + b"123456789"
-    buffer = ctypes.create_string_buffer(sample, len(sample))
-    for start in (0, 1, 3, 8, len(sample) - 9):
-        address = ctypes.addressof(buffer) + start
-        if fsio.crc32c(address, len(sample) - start) != crc32c.crc32c(sample[start:]):
-            log.warning("native CRC-32C disagrees with the crc32c package; not using it",
-                        machine=platform.machine())  # fmt: skip
-            return None
-    return fsio
+SOURCE: Final = "\n".join([_INCLUDES, c_defines(), *_c_codes(), "", _CODE])
