@@ -39,8 +39,9 @@ from faults._common import (
     private_dir,
     store,
 )
-from kvtier_async.tiers import fs
+from kvtier_async.tiers._checksum import checksum
 from kvtier_async.tiers.fs import HEADER_BYTES, FsTier
+from kvtier_async.tiers.fs import native as fs_native
 from test_tier_fs import _craft, block_path
 
 BLOCK = 4 * 4096  # four pages: `_craft`'s "short length" needs more than one
@@ -79,7 +80,7 @@ def wrong_version(d: Damage) -> None:
     """A header of another format version whose header checksum is right."""
     page = bytearray(d.path.read_bytes()[:HEADER_BYTES])
     page[8:10] = (int.from_bytes(page[8:10], "little") + 1).to_bytes(2, "little")
-    page[-8:] = fs.checksum(memoryview(page)[:-8]).to_bytes(8, "little")
+    page[-8:] = checksum(memoryview(page)[:-8]).to_bytes(8, "little")
     d.path.write_bytes(bytes(page) + d.payload())
 
 
@@ -171,7 +172,7 @@ def run(seed: int) -> Iterator[Row]:
         bound_s=BOUND_S,
         bounds=[LOCAL_BOUNDS],
     )
-    fs._fsio.native_fsio()  # built or loaded now, as this user (see `as_nobody`)
+    fs_native.native_fsio()  # built or loaded now, as this user (see `as_nobody`)
     for place, parent in PLACES.items():
         for number, (kind, (damage, looks_whole)) in enumerate(KINDS.items()):
             label = f"{kind} on {place}"
