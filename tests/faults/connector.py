@@ -5,26 +5,28 @@ bytes are known per token prefix: its attention checks every byte of context it 
 hits and loads alike) and raises `KVMismatch` on the first wrong one. Our connector has a
 CPU tier of 8 blocks and one secondary tier, so blocks are cascaded and promoted all the time.
 Three faults, each begun after a few steps and ended a few seconds later while the trace goes
-on (a second wave of requests arrives after it, so stores reach the tier again):
+on (a second wave of requests arrives after it, the last ones with prompts of their own, so
+stores reach the tier again):
 
-- the obj tier's S3 server hung (its port taken by a socket that never answers);
+- the obj tier's S3 server hung (its port taken by `_s3.SilentServer`);
 - the obj tier's S3 server stopped (connections refused);
 - the fs tier's root replaced by a regular file (every store and load fails).
 
 Every step (``schedule`` + ``update_from_output``, and the whole step with the model's worker
 hooks) is timed: the scheduler never waits on the tier, so each must stay under `BOUND_S`.
-One more run of the hung case calls ``reset_prefix_cache`` (the connector's reset drains the
-tiers, within ``wait_timeout_s``) in the middle of the fault.
 Every request must finish with the tokens of a run without any connector (the fake model
 checked the KV bytes behind them), the harness must see no leak, and closing (both roles'
 ``shutdown``) is timed too. The recovery is the time from the end of the fault until a
-cascade reached the tier again.
+cascade reached the tier again. Two more runs: the hung case with a ``reset_prefix_cache``
+while tier jobs wait on the server (the connector's reset drains the tiers, within
+``wait_timeout_s``), and a shutdown while cascades wait for PUTs the server never answers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 import shutil
 import time
 import uuid
@@ -75,7 +77,9 @@ class RootReplaced(Outage):
 def run(seed: int) -> Iterator[Row]:
     import vllm_harness as vh
 
-    trace = vh.shared_prefix_requests(seed=seed, num_requests=40)
+    rng = random.Random(f"{seed}-fresh")
+    fresh = [(f"fresh-{i}", vh.random_tokens(rng, 100), 2) for i in range(4)]
+    trace = vh.shared_prefix_requests(seed=seed, num_requests=40) + fresh  # new blocks last
     with vh.VllmHarness(num_gpu_blocks=48, max_num_batched_tokens=256) as h:
         h.drive(trace, per_step=2)
         baseline = dict(h.stats.outputs)
@@ -216,6 +220,8 @@ def drive(
             h.add_request(*item)
         pending = h.has_work() or h.connector.has_pending_push_work()
         if ended is not None and not pending:
+            if row.recovery_s is None:
+                row.problems.append("no block reached the tier after the fault ended")
             return
         if not pending:
             time.sleep(0.005)  # an idle engine core waits for work; it does not spin
