@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -24,7 +25,7 @@ class BlockingDevice:
         import anyio
 
         self.started.set()
-        await anyio.to_thread.run_sync(self.release.wait)
+        await anyio.to_thread.run_sync(self.release.wait, 10.0)  # bounded, even if a test fails
         return [True] * len(job.keys), 0
 
 
@@ -123,3 +124,92 @@ def test_a_scheduler_thread_owns_the_ledger() -> None:
         assert ledger.lookup(key, "r") is LookupResult.HIT
         slot = int(ledger.prepare_load([key])[0])
     assert memory[slot] == b"\x09" * 4096
+
+
+class CountingDevice(BlockingDevice):
+    """A `BlockingDevice` that counts the runs of each job."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs: dict[int, int] = {}
+
+    async def __call__(self, job: Job) -> tuple[Sequence[bool], int]:
+        self.runs[job.job_id] = self.runs.get(job.job_id, 0) + 1
+        return await super().__call__(job)
+
+
+def one_slot_engine(device: BlockingDevice) -> ThreadedEngine:
+    """A device lane of one worker and one queue place per direction."""
+    return ThreadedEngine(
+        lambda: Engine(
+            [], lambda s: memoryview(b""), device=device, device_workers=1, queue_depth=1
+        )
+    )
+
+
+def store_jobs(n: int) -> list[Job]:
+    return [Job(JobKind.STORE, (bytes([i]) * 8,)) for i in range(n)]
+
+
+def poll_until(threaded: ThreadedEngine, job_ids: set[int]) -> list[JobResult]:
+    """Poll until the results of ``job_ids`` came out (10 s at most); fails on a Deferred."""
+    deadline = time.monotonic() + 10
+    results: list[JobResult] = []
+    while {r.job_id for r in results} != job_ids:
+        assert time.monotonic() < deadline, f"results of {job_ids} did not come"
+        for item in threaded.poll():
+            assert isinstance(item, JobResult), f"{item} came out of poll"
+            results.append(item)
+    return results
+
+
+def wait_for_outbox(threaded: ThreadedEngine, n: int) -> None:
+    """Wait (10 s at most) until ``n`` items wait in the outbox, without taking them."""
+    deadline = time.monotonic() + 10
+    while threaded._outbox.qsize() < n:
+        assert time.monotonic() < deadline, "the pump did not answer"
+        time.sleep(0.001)
+
+
+def test_a_flush_covers_deferred_and_unsubmitted_jobs() -> None:
+    """The flushed jobs are waited for wherever they were: running, queued, deferred and
+    polled by the owner, deferred and still in the outbox, never handed over; none comes
+    back deferred and none runs twice."""
+    device = CountingDevice()
+    with one_slot_engine(device) as threaded:
+        jobs = running, queued, polled, unpolled, _new = store_jobs(5)
+        threaded.submit([running])
+        assert device.started.wait(10)
+        threaded.submit([queued, polled])
+        wait_for_outbox(threaded, 1)
+        assert [d.job for d in threaded.poll() if isinstance(d, Deferred)] == [polled]
+        threaded.submit([unpolled])
+        wait_for_outbox(threaded, 1)  # its Deferred waits in the outbox
+        device.release.set()
+        assert threaded.flush(jobs, timeout_s=10) == []
+        assert device.runs == {job.job_id: 1 for job in jobs}
+        results = poll_until(threaded, {job.job_id for job in jobs})
+        assert all(r.error is None for r in results)
+        assert threaded.poll() == []
+
+
+def test_a_flush_past_its_deadline_cancels_and_reports_when_ended() -> None:
+    """At the deadline the flush returns the jobs it abandons instead of raising: the ones
+    not started end cancelled at once and never run; the running one is reported only once
+    its call really ended."""
+    device = CountingDevice()
+    with one_slot_engine(device) as threaded:
+        running, queued, deferred = store_jobs(3)
+        threaded.submit([running])
+        assert device.started.wait(10)
+        threaded.submit([queued, deferred])
+        wait_for_outbox(threaded, 1)  # the Deferred of the third
+        abandoned = threaded.flush([running, queued, deferred], timeout_s=0.05)
+        assert {j.job_id for j in abandoned} == {running.job_id, queued.job_id, deferred.job_id}
+        early = poll_until(threaded, {queued.job_id, deferred.job_id})
+        assert all(r.cancelled for r in early)
+        assert threaded.poll() == []  # the running call has not returned
+        device.release.set()
+        (late,) = poll_until(threaded, {running.job_id})
+        assert late.cancelled
+        assert device.runs == {running.job_id: 1}

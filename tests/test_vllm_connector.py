@@ -252,3 +252,41 @@ def test_under_multiconnector_next_to_a_pd_connector(tmp_path: Path) -> None:
         h.run_until_done()
         assert h.stats.external_hit_tokens >= 96  # loaded, and checked byte for byte
         h.assert_no_leaks()
+
+
+def report_trace(h: Any, prefix: list[int]) -> list[tuple[int, bool, bool]]:
+    """Per step of a store-then-load scenario: (step, whether the worker reported finished
+    jobs, whether it reported a finished load)."""
+    trace: list[tuple[int, bool, bool]] = []
+
+    def run() -> None:
+        while h.has_work():
+            result = h.step()
+            out = result.output.kv_connector_output if result.output is not None else None
+            meta = out.kv_connector_worker_meta if out is not None else None
+            recving = bool(out is not None and out.finished_recving)
+            trace.append((h.stats.steps, meta is not None, recving))
+
+    h.add_request("first", [*prefix, 5], max_tokens=3)
+    run()
+    evict_gpu_prefix_cache(h)
+    trace.append((-1, False, False))
+    h.add_request("second", [*prefix, 6], max_tokens=3)
+    run()
+    return trace
+
+
+def test_reports_come_as_late_as_vllms_with_a_report_delay() -> None:
+    """The sched benchmark's fairness: ours (inline copies, outputs held back one step)
+    reports every store and load in the same step as vLLM's OffloadingConnector over
+    FakeOffloadingWorker (one step after submission), and supplies the same hits."""
+    prefix = random_tokens(random.Random(12), 100)
+    traces, hits = [], []
+    for kwargs in (vh.VLLM_OFFLOADING, {**OURS, "worker_report_delay_steps": 1}):
+        with vh.VllmHarness(num_gpu_blocks=40, **kwargs) as h:
+            traces.append(report_trace(h, prefix))
+            hits.append(h.stats.external_hit_tokens)
+            h.assert_no_leaks()
+    assert any(reported for _, reported, _ in traces[0])
+    assert traces[0] == traces[1]
+    assert hits[0] == hits[1] == 96

@@ -269,3 +269,28 @@ def test_async_load_holds_the_request_until_finished_recving() -> None:
         h.run_until_done()
         assert h.stats.external_hit_tokens == 64
         h.assert_no_leaks()
+
+
+def test_vllm_tiering_promotes_from_its_fs_tier(tmp_path: Path) -> None:
+    """vLLM's TieringOffloadingSpec with its own fs tier: FakeOffloadingWorker writes the
+    shared region the tier cascades from, so a prefix the CPU tier evicted comes back from
+    the files, byte for byte."""
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 8 * 4096,  # 8 blocks: the fillers push the prefix out
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv")}],
+    }
+    prefix = random_tokens(random.Random(5), 100)
+    with vh.VllmHarness(
+        num_gpu_blocks=40, connector="OffloadingConnector", extra_config=extra
+    ) as h:
+        h.add_request("first", [*prefix, 5], max_tokens=2)
+        h.run_until_done()
+        evict_gpu_prefix_cache(h)
+        checked = h.model.tokens_checked
+        h.add_request("second", [*prefix, 6], max_tokens=2)
+        h.run_until_done()
+        assert h.stats.external_hit_tokens == 96
+        assert h.model.tokens_checked - checked >= 96 * 2
+        h.assert_no_leaks()
+    assert any((tmp_path / "kv").rglob("*.bin"))

@@ -1,13 +1,35 @@
 """The sync face: the engine on its own event-loop thread, for a synchronous owner.
 
 vLLM's scheduler thread owns the ledger and must never wait on I/O. It hands jobs over with
-`ThreadedEngine.submit`, which only appends to a thread-safe inbox and writes one byte to a
-socket pair; a pump task in the loop wakes on that byte (``anyio.wait_readable``, so any
-anyio backend works) and queues the jobs with ``submit_nowait``. A full queue answers "not
-now": the job comes back from `poll` as `Deferred` and the owner offers it again next step.
-Every job's result lands in a thread-safe outbox that the owner drains with `poll` at the
-points of its step where it applies results. Only `drain` and `close` block, for resets and
-shutdown.
+`ThreadedEngine.submit`, which only appends to a thread-safe inbox and rings a bell: it
+releases a `threading.Lock` that a worker thread of the loop waits on (``to_thread``, so any
+anyio backend works). The pump task in the loop then queues the jobs with ``submit_nowait``.
+A full queue answers "not now": the job comes back from `poll` as `Deferred` and the owner
+offers it again next step. Every job's result lands in a thread-safe outbox that the owner
+drains with `poll` at the points of its step where it applies results. Only `flush`,
+`drain` and `close` block.
+
+*Why a lock, not a socket.* Releasing a lock does not release the GIL; a ``send`` on a
+socket (any system call made through Python) does, and the loop thread, woken by that very
+byte, takes the GIL and runs its whole burst (taking the inbox, starting the jobs) while the
+owner waits to get it back: measured in the sched benchmark, about 0.6 ms of vLLM's
+``schedule()`` per step with an fs tier. With the bell the loop runs when the owner next
+gives the GIL up, which vLLM's engine core does right after scheduling, while it waits for
+the model (a busy owner gives it up at the interpreter's switch interval at the latest).
+
+*Flushes.* Some jobs must end before the owner goes on (a store reading GPU blocks that the
+next forward pass overwrites; every tier job before a cache reset frees the slots they
+use). `flush` takes exactly those jobs, wherever they are: not handed over yet, waiting in
+the inbox, deferred (in the outbox or held by the owner), queued or running. In the loop it
+submits each one that has no place in a queue, waiting for room (``await engine.submit``),
+and waits for them all, up to a deadline; while it runs, the pump defers none of them. At
+the deadline, a job that has not started is cancelled (its cancelled result is in the
+outbox at once) and a running one is cancelled at its next checkpoint: its result comes
+when it really ended (a copy in a thread, or on a CUDA stream, finishes first; see
+`kvtier_async.transfer.handlers`), so whatever it wrote is not reused before it reports.
+Either way the job never runs later, and `flush` returns it as abandoned instead of
+raising. The loop keeps every accepted job's handle until `poll` hands out its result, so
+a flush knows a job that ended but was not polled yet from one never submitted.
 
 (``BlockingPortal.start_task_soon`` was not used for submission: it waits for the loop to
 run the spawn, so a busy loop would stall the scheduler thread.)
@@ -17,23 +39,26 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import socket
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import anyio
+import anyio.to_thread
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from kvtier_async._log import get_logger
 
 from .engine import Engine, EngineClosed
-from .jobs import Job, JobResult
+from .jobs import Job, JobError, JobHandle, JobResult
 
 __all__ = ["Deferred", "ThreadedEngine"]
 
 log = get_logger(__name__)
+
+_BELL_CHECK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -51,21 +76,25 @@ class ThreadedEngine:
         self._backend = backend
         self._inbox: queue.SimpleQueue[list[Job]] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[JobResult | Deferred] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        self._bell = threading.Lock()  # released: the inbox has jobs to take
+        self._bell.acquire()
+        self._closing = False
         self._stack = contextlib.ExitStack()
         self._portal: BlockingPortal | None = None
         self.engine: Engine | None = None
+        # Loop side: the handle of every job the engine accepted, until `poll` hands out its
+        # result; the jobs a running flush owns (the pump defers none of them).
+        self._accepted: dict[int, JobHandle] = {}
+        self._flushing: dict[int, Job] = {}
 
     def __enter__(self) -> ThreadedEngine:
         with contextlib.ExitStack() as stack:
-            stack.callback(self._close_sockets)
             portal = stack.enter_context(start_blocking_portal(self._backend))
             engine = portal.call(self._make_engine)
             stack.enter_context(portal.wrap_async_context_manager(engine))
             pump = portal.start_task_soon(self._pump, engine)
             stack.callback(pump.cancel)
+            stack.callback(self._stop_pump)  # first: its thread leaves the bell
             self._portal, self.engine = portal, engine
             self._stack = stack.pop_all()
         return self
@@ -83,9 +112,9 @@ class ThreadedEngine:
         self._portal = None
         self._stack.close()
 
-    def _close_sockets(self) -> None:
-        self._wake_r.close()
-        self._wake_w.close()
+    def _stop_pump(self) -> None:
+        self._closing = True
+        self._ring()
 
     # --- owner's side (any one thread) ------------------------------------------------
 
@@ -107,18 +136,26 @@ class ThreadedEngine:
             self.wake()
 
     def wake(self) -> None:
-        """Make the loop take the inbox now."""
-        if self._inbox.empty():
-            return
-        with contextlib.suppress(BlockingIOError):  # a byte is waiting already
-            self._wake_w.send(b"\0")
+        """Make the loop take the inbox (without giving the GIL up: see the docstring)."""
+        if not self._inbox.empty():
+            self._ring()
+
+    def _ring(self) -> None:
+        with contextlib.suppress(RuntimeError):  # released already: a ring is pending
+            self._bell.release()
 
     def poll(self) -> list[JobResult | Deferred]:
         """Results (and deferred jobs) that arrived since the last call; never blocks."""
+        if self._outbox.empty():  # the common case, without raising queue.Empty
+            return []
         out: list[JobResult | Deferred] = []
+        accepted = self._accepted
         with contextlib.suppress(queue.Empty):
             while True:
-                out.append(self._outbox.get_nowait())
+                item = self._outbox.get_nowait()
+                if accepted and isinstance(item, JobResult):
+                    accepted.pop(item.job_id, None)
+                out.append(item)
         return out
 
     def has_pending_work(self) -> bool:
@@ -126,7 +163,9 @@ class ThreadedEngine:
         return not self._inbox.empty() or (engine is not None and engine.has_pending_work())
 
     def drain(self, timeout_s: float | None = None) -> None:
-        """Block until every job handed over so far ended (resets, shutdown)."""
+        """Block until every job the engine took ended; raises `TimeoutError` past
+        ``timeout_s``. Jobs deferred meanwhile come back through `poll` and are not waited
+        for: to make sure given jobs ended, `flush` them."""
         portal = self._portal
         if portal is None:
             return
@@ -138,6 +177,24 @@ class ThreadedEngine:
             self._take_inbox(self.engine)
             await self.engine.drain()
 
+    def flush(self, jobs: Iterable[Job], timeout_s: float, *, grace_s: float = 0.0) -> list[Job]:
+        """Block until each of ``jobs`` ended, or ``timeout_s`` passed; never raises a timeout.
+
+        ``jobs`` may be anywhere short of having had their result polled: not handed over
+        yet, in the inbox, deferred, queued or running (see the module docstring). Returns
+        the jobs abandoned at the deadline: cancelled, so that none runs later; the result
+        of each comes out of `poll`, at once for one that had not started, once it really
+        ended for one that was running. ``grace_s`` is how long to wait for those after
+        the deadline (a reset needs them ended; a worker's hook does not wait for them)."""
+        batch = list(jobs)
+        if not batch:
+            return []
+        portal = self._portal
+        if portal is None:
+            raise EngineClosed("the threaded engine is not running")
+        abandoned: list[Job] = portal.call(self._flush, batch, timeout_s, grace_s)
+        return abandoned
+
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` (sync or async) in the loop and wait for it (start-up, tests)."""
         if self._portal is None:
@@ -147,11 +204,16 @@ class ThreadedEngine:
     # --- loop's side ------------------------------------------------------------------
 
     async def _pump(self, engine: Engine) -> None:
-        while True:
-            await anyio.wait_readable(self._wake_r)
-            with contextlib.suppress(BlockingIOError):
-                self._wake_r.recv(4096)
+        while not self._closing:
+            await anyio.to_thread.run_sync(self._wait_bell, abandon_on_cancel=True)
             self._take_inbox(engine)
+
+    def _wait_bell(self) -> None:
+        """In a worker thread: until the bell rings, or the engine closes (checked every
+        `_BELL_CHECK_S`, so the thread never outlives the engine for long)."""
+        while not self._bell.acquire(timeout=_BELL_CHECK_S):
+            if self._closing:
+                return
 
     def _take_inbox(self, engine: Engine) -> None:
         while True:
@@ -164,8 +226,81 @@ class ThreadedEngine:
 
     def _submit(self, engine: Engine, job: Job) -> None:
         try:
-            engine.submit_nowait(job)
+            self._accepted[job.job_id] = engine.submit_nowait(job)
         except anyio.WouldBlock:
-            self._outbox.put(Deferred(job))
+            if job.job_id not in self._flushing:  # a flush submits it, waiting for room
+                self._outbox.put(Deferred(job))
         except EngineClosed as exc:
-            self._outbox.put(JobResult.failure(job, exc))
+            self._fail(job, exc)
+
+    def _fail(self, job: Job, error: BaseException, *, cancelled: bool = False) -> None:
+        """End a job the engine never took: its failure goes out through an ended handle,
+        so that a flush sees it ended."""
+        handle = JobHandle(job)
+        self._accepted[job.job_id] = handle
+        handle._resolve(JobResult.failure(job, error, cancelled=cancelled))
+
+    async def _flush(self, jobs: list[Job], timeout_s: float, grace_s: float) -> list[Job]:
+        assert self.engine is not None
+        engine = self.engine
+        wanted = {job.job_id: job for job in jobs}
+        for job in jobs:
+            job.on_done = self._outbox.put
+        self._flushing = wanted
+        try:
+            self._take_inbox(engine)  # jobs handed over earlier go first, in order
+            self._drop_deferrals(wanted)
+            with anyio.move_on_after(timeout_s):
+                for job in jobs:
+                    if job.job_id not in self._accepted:
+                        await self._submit_waiting(engine, job)
+                for job in jobs:  # each one has a handle now
+                    await _ended(self._accepted[job.job_id])
+        finally:
+            self._flushing = {}
+        abandoned = self._abandon(jobs)
+        if abandoned and grace_s > 0:
+            with anyio.move_on_after(grace_s):
+                for job in abandoned:
+                    await _ended(self._accepted[job.job_id])
+        return abandoned
+
+    def _drop_deferrals(self, wanted: dict[int, Job]) -> None:
+        """Take out of the outbox the `Deferred` items of jobs a flush now owns. The owner
+        is blocked in `flush` and everything else that fills the outbox runs in this
+        thread, so the other items go back in their order."""
+        kept: list[JobResult | Deferred] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                item = self._outbox.get_nowait()
+                if not (isinstance(item, Deferred) and item.job.job_id in wanted):
+                    kept.append(item)
+        for item in kept:
+            self._outbox.put(item)
+
+    async def _submit_waiting(self, engine: Engine, job: Job) -> None:
+        try:
+            self._accepted[job.job_id] = await engine.submit(job)
+        except EngineClosed as exc:
+            self._fail(job, exc)
+
+    def _abandon(self, jobs: list[Job]) -> list[Job]:
+        """Cancel the jobs that did not end in time; which ones."""
+        abandoned = []
+        for job in jobs:
+            handle = self._accepted.get(job.job_id)
+            if handle is None:  # it never got a place in a queue
+                error = TimeoutError(f"job {job.job_id} found no room before the deadline")
+                self._fail(job, error, cancelled=True)
+                abandoned.append(job)
+            elif not handle.done():
+                handle.cancel()
+                abandoned.append(job)
+        return abandoned
+
+
+async def _ended(handle: JobHandle) -> None:
+    """Wait until the job of ``handle`` ended, however."""
+    if not handle.done():
+        with contextlib.suppress(JobError):
+            await handle.wait()

@@ -25,8 +25,20 @@ computed. It samples one token per request from the prefix hash, so runs are rep
 
 vLLM's own `OffloadingConnector` refuses to create its worker without CUDA; for it the harness
 swaps the spec's ``get_worker`` for `FakeOffloadingWorker`, which moves the bytes between the
-KV caches and a private CPU buffer and reports each job ``offload_delay_steps`` steps after it
-was submitted (at once when waited on), as `OffloadingWorker` reports them.
+KV caches and the CPU tier (a private buffer; with ``TieringOffloadingSpec`` the shared region
+vLLM's secondary tiers read and write, as vLLM's `CPUOffloadingWorker` does) and reports each
+job ``offload_delay_steps`` steps after it was submitted (at once when waited on), as
+`OffloadingWorker` reports them.
+
+Report delays, for comparing connectors. A connector whose worker finishes its copies when
+it submits them (ours, with inline CPU copies) would report a job ``offload_delay_steps``
+steps earlier than vLLM's over `FakeOffloadingWorker`, and its stores would become loadable
+earlier. ``worker_report_delay_steps=k`` holds each step's `KVConnectorOutput` of the worker
+connector back ``k`` steps (`FakeModel`), so both report every job ``k`` steps after the step
+that submitted it: vLLM's decides a store in step N, its worker submits it at the start of
+N+1 and reports it in N+2; with ``k = 1`` ours copies it at the start of N+1 and reports it
+in N+2 too (loads likewise, one step after submission). A job that a flush waits for is the
+exception: vLLM's reports it in the step of the flush, ours still ``k`` steps later.
 """
 
 from __future__ import annotations
@@ -301,6 +313,7 @@ class FakeModel:
         *,
         verify: Verify = "full",
         serialize: bool = True,
+        report_delay_steps: int = 0,
     ) -> None:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
@@ -321,6 +334,8 @@ class FakeModel:
         self.hook_log: list[str] | None = None  # set to [] to record hook names
         self._pending_load_kwargs: dict[str, Any] | None = None
         self._meta: Any = None
+        self.report_delay_steps = report_delay_steps
+        self.held_outputs: deque[KVConnectorOutput] = deque()  # held back, oldest first
         self.tokens_written = 0
         self.tokens_checked = 0
 
@@ -462,6 +477,11 @@ class FakeModel:
         out.kv_connector_worker_meta = connector.build_connector_worker_meta()
         self._hook("clear_connector_metadata")
         connector.clear_connector_metadata()
+        if self.report_delay_steps:
+            self.held_outputs.append(out)
+            if len(self.held_outputs) <= self.report_delay_steps:
+                return KVConnectorOutput()
+            out = self.held_outputs.popleft()
         if self.serialize:
             out = pickle.loads(pickle.dumps(out))
         return out
@@ -573,6 +593,15 @@ class FakeModel:
         return sampled
 
 
+def _is_empty(out: KVConnectorOutput) -> bool:
+    return not (
+        out.finished_sending
+        or out.finished_recving
+        or out.invalid_block_ids
+        or out.kv_connector_worker_meta is not None
+    )
+
+
 def _empty_output() -> ModelRunnerOutput:
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
@@ -587,7 +616,8 @@ def _empty_output() -> ModelRunnerOutput:
 class _Job:
     job_id: int
     is_store: bool
-    pairs: list[tuple[int, torch.Tensor, torch.Tensor]]  # (tensor index, gpu rows, cpu rows)
+    # (tensor index, gpu rows, cpu chunks, block in chunk)
+    pairs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]
     ticks: int
     num_bytes: int
     copied: bool = False
@@ -596,8 +626,11 @@ class _Job:
 class FakeOffloadingWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]
     """An `OffloadingWorker` for vLLM's `OffloadingConnector` on the CPU.
 
-    Stores copy KV pages of GPU blocks to chunk slots of a private CPU buffer, loads copy them
-    back, with vLLM's addressing (``block_indices`` skips into the first chunk, one page per
+    Stores copy KV pages of GPU blocks to chunk slots of the CPU tier, loads copy them back:
+    a private buffer, or given ``mmap_region`` (vLLM's `SharedOffloadRegion` of this worker,
+    which vLLM's secondary tiers read and write) its rows as `CPUOffloadingWorker` lays them
+    out. ``cpu[t]`` is tensor ``t``'s ``[num_chunks, blocks_per_chunk, page]`` view. With
+    vLLM's addressing (``block_indices`` skips into the first chunk, one page per
     layer reference). Each direction completes in submission order, like a CUDA stream.
     A job submitted before the ``k``-th ``get_finished`` call is reported by call
     ``k + delay_steps`` (``0``: the same step's call), or by the next call once ``wait``
@@ -614,14 +647,24 @@ class FakeOffloadingWorker(OffloadingWorker):  # type: ignore[misc, unused-ignor
         *,
         delay_steps: int = 1,
         copy_at: Literal["submit", "complete"] = "complete",
+        mmap_region: Any = None,
     ) -> None:
         self.gpu = [t.tensor for t in kv_caches.tensors]
         self.refs = kv_caches.group_data_refs
         self.blocks_per_chunk = blocks_per_chunk
-        self.cpu = [
-            torch.zeros(num_chunks * blocks_per_chunk, t.page_size_bytes, dtype=torch.int8)
-            for t in kv_caches.tensors
-        ]
+        self.mmap_region = mmap_region
+        shape = (num_chunks, blocks_per_chunk)
+        if mmap_region is None:
+            self.cpu = [
+                torch.zeros(*shape, t.page_size_bytes, dtype=torch.int8) for t in kv_caches.tensors
+            ]
+        else:
+            self.cpu = [
+                mmap_region.create_next_worker_view(blocks_per_chunk * t.page_size_bytes).view(
+                    *shape, t.page_size_bytes
+                )
+                for t in kv_caches.tensors
+            ]
         self.delay_steps = delay_steps
         self.copy_at = copy_at
         self.queues: dict[bool, deque[_Job]] = {True: deque(), False: deque()}
@@ -645,7 +688,7 @@ class FakeOffloadingWorker(OffloadingWorker):  # type: ignore[misc, unused-ignor
         self, job_id: int, gpu: GPULoadStoreSpec, cpu: LoadStoreSpec, *, is_store: bool
     ) -> bool:
         assert isinstance(cpu, BlockIDsLoadStoreSpec)
-        pairs: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        pairs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         num_bytes = 0
         gpu_offset = cpu_offset = 0
         bpc = self.blocks_per_chunk
@@ -662,7 +705,7 @@ class FakeOffloadingWorker(OffloadingWorker):  # type: ignore[misc, unused-ignor
             )
             sub = (chunks[:, None] * bpc + torch.arange(bpc)[None, :]).flatten()[skip : skip + size]
             for ref in self.refs[group]:
-                pairs.append((ref.tensor_idx, gpu_rows, sub))
+                pairs.append((ref.tensor_idx, gpu_rows, sub // bpc, sub % bpc))
                 num_bytes += size * ref.page_size_bytes
             gpu_offset += size
             cpu_offset += num_chunks
@@ -677,12 +720,12 @@ class FakeOffloadingWorker(OffloadingWorker):  # type: ignore[misc, unused-ignor
     def _copy(self, job: _Job) -> None:
         if job.copied:
             return
-        for tensor_idx, gpu_rows, cpu_rows in job.pairs:
+        for tensor_idx, gpu_rows, chunks, blocks in job.pairs:
             gpu, cpu = self.gpu[tensor_idx], self.cpu[tensor_idx]
             if job.is_store:
-                cpu[cpu_rows] = gpu[gpu_rows]
+                cpu[chunks, blocks] = gpu[gpu_rows]
             else:
-                gpu[gpu_rows] = cpu[cpu_rows]
+                gpu[gpu_rows] = cpu[chunks, blocks]
         job.copied = True
 
     def get_finished(self) -> list[TransferResult]:
@@ -708,6 +751,12 @@ class FakeOffloadingWorker(OffloadingWorker):  # type: ignore[misc, unused-ignor
     def pending(self) -> int:
         return sum(len(queue) for queue in self.queues.values())
 
+    def shutdown(self) -> None:
+        region, self.mmap_region = self.mmap_region, None
+        if region is not None:
+            self.cpu = []  # views of the region
+            region.cleanup()
+
 
 def _install_fake_offloading_worker(
     connector: KVConnectorBase_V1, delay_steps: int, copy_at: Literal["submit", "complete"]
@@ -728,12 +777,29 @@ def _install_fake_offloading_worker(
                     spec.blocks_per_chunk,
                     delay_steps=delay_steps,
                     copy_at=copy_at,
+                    mmap_region=_worker_region(spec),
                 )
             )
         return made[0]
 
     spec.get_worker = get_worker
     return lambda: made[0] if made else None
+
+
+def _worker_region(spec: Any) -> Any:
+    """The worker's `SharedOffloadRegion`, made as vLLM's ``create_worker`` makes it, for a
+    spec whose tiers share it (``TieringOffloadingSpec``); None for a private buffer."""
+    if not spec._uses_shared_region():
+        return None
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    return SharedOffloadRegion(
+        engine_id=spec._engine_id,
+        num_chunks=spec.num_chunks,
+        rank=0 if spec.replicated_layout else spec.config.parallel.rank,
+        kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+        cpu_page_size=spec.cpu_page_size_per_worker,
+    )
 
 
 # --- the harness ---------------------------------------------------------------------------
@@ -782,9 +848,11 @@ class VllmHarness:
     context the fake attention checks: every step (``"full"``), when a request is admitted or
     resumed (``"admission"``: where prefix-cache hits and loads land), or never.
     ``offload_delay_steps`` / ``offload_copy_at`` configure `FakeOffloadingWorker` (vLLM's
-    OffloadingConnector only). ``serialize`` pickles what crosses between the roles (the
-    connector metadata to the worker, the `KVConnectorOutput` back), as a multi-process
-    executor does, so the roles share no objects. Use as a context manager, or call `close`.
+    OffloadingConnector only); ``worker_report_delay_steps`` holds the worker connector's
+    outputs back that many steps (see "Report delays" in the module docstring).
+    ``serialize`` pickles what crosses between the roles (the connector metadata to the
+    worker, the `KVConnectorOutput` back), as a multi-process executor does, so the roles
+    share no objects. Use as a context manager, or call `close`.
     """
 
     def __init__(
@@ -809,6 +877,7 @@ class VllmHarness:
         verify: Verify = "full",
         offload_delay_steps: int = 1,
         offload_copy_at: Literal["submit", "complete"] = "complete",
+        worker_report_delay_steps: int = 0,
         serialize: bool = True,
         model_dir: str | Path | None = None,
     ) -> None:
@@ -879,6 +948,7 @@ class VllmHarness:
             self.pattern,
             verify=verify,
             serialize=serialize,
+            report_delay_steps=worker_report_delay_steps,
         )
 
         scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
@@ -1136,6 +1206,9 @@ class VllmHarness:
         fake = self.fake_offloading_worker
         if fake is not None and fake.pending():
             problems.append(f"{fake.pending()} offloading jobs not reported")
+        unsent = sum(not _is_empty(out) for out in self.model.held_outputs)
+        if unsent:
+            problems.append(f"{unsent} worker outputs with reports held back")
         return problems
 
     def assert_no_leaks(self) -> None:

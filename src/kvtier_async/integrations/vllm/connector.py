@@ -134,7 +134,10 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
     def reset_cache(self) -> bool | None:
-        self._pending_flush |= self.scheduler.reset_cache()
+        flush = self.scheduler.reset_cache()
+        if flush is None:
+            return False  # a tier job would not end in time: nothing was reset
+        self._pending_flush |= flush
         return True
 
     def shutdown(self) -> None:

@@ -19,20 +19,33 @@ Per step, vLLM calls (on its scheduler thread, never blocked here):
 
 Secondary tiers run on an `Engine` inside a `ThreadedEngine`; results come back through a
 queue polled by these hooks. Only ``reset_cache`` and ``shutdown`` wait.
+
+``reset_cache`` flushes every tier job (`ThreadedEngine.flush`, ``wait_timeout_s`` at most):
+a cascade reads a CPU slot and a promotion writes one, and the reset frees them all. If a
+job cannot be made to end in time it does not raise into vLLM: the reset is refused
+(``None``, vLLM's ``False``), with a warning naming the jobs; the jobs go on and their
+results apply as usual. The device jobs in flight are flushed by the workers at the next
+step; until every worker reported them (a job abandoned at a worker's deadline is reported
+only once its copy ended), a fence holds new stores and lookups, so no freed slot is
+reused while a late copy may still touch it.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvtier_async._log import get_logger
 from kvtier_async.engine import Deferred, Engine, Job, ThreadedEngine
 from kvtier_async.ledger import (
     CPUSpec,
     GPUSpec,
+    JobKind,
     LookupResult,
     OffloadingEvent,
     PrimaryLedger,
@@ -114,16 +127,36 @@ class ConnectorScheduler:
         self._block_jobs: dict[int, set[int]] = {}  # GPU block -> store jobs reading it
         self._step_loads: dict[int, DeviceJob] = {}
         self._step_allocated: set[int] = set()
-        self._tier_jobs: dict[int, TierTask] = {}  # engine job id -> ledger task
+        # engine job id -> the job and the ledger tasks it carries, in key order
+        self._tier_jobs: dict[int, tuple[Job, list[TierTask]]] = {}
+        self._reset_fence: dict[int, int] = {}  # device job flushed by a reset -> reports due
         self._deferred: list[Job] = []
         self._region: SharedRegion | None = None
-        self._threaded: ThreadedEngine | None = None
-        if tiers:
-            self._start_tiers(tiers)
+        self._threaded: ThreadedEngine | None = self._start_engine(tiers)
 
     # --- the tier engine --------------------------------------------------------------
 
-    def _start_tiers(self, tiers: list[SecondaryTier]) -> None:
+    def _start_engine(self, tiers: list[SecondaryTier]) -> ThreadedEngine:
+        """The tier engine on its loop thread; started even with no tier (one code path:
+        idle, it is a thread parked on a socket, and the per-step cost of driving it is
+        measured whatever the configuration)."""
+        layout = self.layout
+        block_view = self._block_view() if tiers else _no_block_view
+
+        def make() -> Engine:
+            return Engine(tiers, block_view, queue_depth=self.config.queue_depth)
+
+        threaded = ThreadedEngine(make).__enter__()
+        log.info(
+            "kvtier connector engine started",
+            tiers=[t.name for t in tiers],
+            slots=layout.num_slots,
+            instance=layout.instance_id,
+        )
+        return threaded
+
+    def _block_view(self) -> Callable[[int], memoryview]:
+        """Slot memory for the tiers: the CPU region, every worker's row of a slot."""
         layout = self.layout
         self._region = SharedRegion(
             layout.instance_id,
@@ -140,40 +173,47 @@ class ConnectorScheduler:
         def block_view(slot: int) -> memoryview:
             return rows[slot * span : (slot + 1) * span]
 
-        def make() -> Engine:
-            return Engine(tiers, block_view, queue_depth=self.config.queue_depth)
-
-        self._threaded = ThreadedEngine(make).__enter__()
-        log.info(
-            "kvtier connector tiers started",
-            tiers=[t.name for t in tiers],
-            slots=layout.num_slots,
-            instance=layout.instance_id,
-        )
+        return block_view
 
     def _drain_tier_results(self) -> None:
         threaded = self._threaded
-        if threaded is None:
+        if threaded is None or not self._tier_jobs:  # nothing out: nothing can come back
             return
         for item in threaded.poll():
             if isinstance(item, Deferred):
                 self._deferred.append(item.job)
                 continue
-            task = self._tier_jobs.pop(item.job_id, None)
-            if task is not None:
-                self.ledger.apply(task.task_id, item.ok)
+            entry = self._tier_jobs.pop(item.job_id, None)
+            if entry is None:
+                continue
+            start = 0
+            for task in entry[1]:
+                end = start + len(task.keys)
+                self.ledger.apply(task.task_id, item.ok[start:end])
+                start = end
 
     def _submit_tier_work(self) -> None:
         threaded = self._threaded
         if threaded is None:
             return
-        jobs, self._deferred = self._deferred, []
-        for task in self.ledger.take_tasks():
-            job = Job(task.kind, task.keys, task.slot_ids, tier=task.tier)
-            self._tier_jobs[job.job_id] = task
-            jobs.append(job)
-        threaded.submit(jobs, wake=False)
+        threaded.submit(self._take_tier_work(), wake=False)
         threaded.wake()
+
+    def _take_tier_work(self) -> list[Job]:
+        """The deferred tier jobs, and the tasks the ledger decided since: one job per
+        (kind, tier) carrying all of them, so that the loop thread handles a few jobs per
+        step, not one per request (a batch's blocks still move in parallel in the tier)."""
+        jobs, self._deferred = self._deferred, []
+        batches: dict[tuple[JobKind, int], list[TierTask]] = {}
+        for task in self.ledger.take_tasks():
+            batches.setdefault((task.kind, task.tier), []).append(task)
+        for (kind, tier), tasks in batches.items():
+            keys = tasks[0].keys if len(tasks) == 1 else tuple(k for t in tasks for k in t.keys)
+            slots = np.concatenate([t.slot_ids for t in tasks])
+            job = Job(kind, keys, slots, tier=tier)
+            self._tier_jobs[job.job_id] = (job, tasks)
+            jobs.append(job)
+        return jobs
 
     # --- lookups ----------------------------------------------------------------------
 
@@ -211,6 +251,8 @@ class ConnectorScheduler:
         st.cursor = [0] * len(st.cursor)  # (re)starting: offer every block again
         if st.jobs:
             return None, False
+        if self._reset_fence:
+            return 0, False  # no promotion into a slot a late copy may touch
         if st.load_failed:
             return 0, False
         self._update_keys(st)
@@ -234,12 +276,22 @@ class ConnectorScheduler:
         """Leading fully-hit offloaded blocks in [first, last), and whether any key before
         the first miss has no answer yet (it was queued for a batched lookup)."""
         hits, pending, req_id = 0, False, st.req.request_id
-        lookup = self.ledger.lookup
+        lookup, hit, miss = self.ledger.lookup, LookupResult.HIT, LookupResult.MISS
+        if len(st.keys) == 1:  # the common case: one KV-cache group, no list per block
+            for key in st.keys[0][first:last]:
+                result = lookup(key, req_id)
+                if result is miss:
+                    break
+                if result is hit:
+                    hits += not pending
+                else:
+                    pending = True
+            return hits, pending
         for c in range(first, last):
             results = [lookup(keys[c], req_id) for keys in st.keys]
-            if LookupResult.MISS in results:
+            if miss in results:
                 break
-            if all(r is LookupResult.HIT for r in results):
+            if all(r is hit for r in results):
                 hits += not pending
             else:
                 pending = True
@@ -256,8 +308,9 @@ class ConnectorScheduler:
     # --- loads ------------------------------------------------------------------------
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        for group_blocks in blocks.blocks:
-            self._step_allocated.update(b.block_id for b in group_blocks if b.block_id)
+        """Pair the hit keys with the GPU blocks vLLM allocated. The blocks a load writes
+        count as handed on this step (stores reading them are flushed); the request's other
+        blocks are marked by ``build_connector_meta`` when vLLM schedules it."""
         if num_external_tokens == 0:
             return
         st = self._state(request)
@@ -277,6 +330,7 @@ class ConnectorScheduler:
             [end_gpu - first_gpu] * len(layout.groups),
             [first_gpu % layout.factor] * len(layout.groups),
         )
+        self._step_allocated.update(ids)
         job_id = self._new_job(st, keys, is_store=False, blocks=ids)
         self._step_loads[job_id] = DeviceJob(request.request_id, spec, CPUSpec.of(slots), False)
         if self.ledger.store_policy is StorePolicy.BLOCK_LEVEL:
@@ -321,7 +375,10 @@ class ConnectorScheduler:
         stores: dict[int, DeviceJob] = {}
         finished = set(scheduler_output.finished_req_ids or ())
         settled, scheduled = self._settled, scheduler_output.num_scheduled_tokens
-        for req_id in itertools.chain(scheduled, finished):
+        finished_stores: Iterable[str] = finished
+        if self._reset_fence:  # no store into a slot a late copy may touch: offered later
+            scheduled, finished_stores = {}, ()
+        for req_id in itertools.chain(scheduled, finished_stores):
             if req_id in settled and req_id not in finished:
                 continue  # its prompt's blocks were all considered: nothing to store
             st = self._reqs.get(req_id)
@@ -360,7 +417,8 @@ class ConnectorScheduler:
                 st.block_ids[g] = list(groups[group])
             else:
                 st.block_ids[g].extend(groups[group])
-            self._step_allocated.update(b for b in groups[group] if b)
+            self._step_allocated.update(groups[group])
+        self._step_allocated.discard(0)  # the null block: never handed to a request
 
     def _jobs_to_flush(self, out: Any) -> set[int]:
         """In-flight stores of preempted requests, and stores reading a GPU block that this
@@ -370,8 +428,10 @@ class ConnectorScheduler:
             st = self._reqs.get(req_id)
             if st is not None:
                 flush |= {j for j in st.jobs if self._jobs[j].is_store}
-        for block in self._step_allocated:
-            flush |= self._block_jobs.get(block, set())
+        block_jobs = self._block_jobs
+        if block_jobs:
+            for block in self._step_allocated & block_jobs.keys():
+                flush |= block_jobs[block]
         return flush
 
     def _build_store(self, st: _Request, num_scheduled: int, stores: dict[int, DeviceJob]) -> None:
@@ -391,11 +451,13 @@ class ConnectorScheduler:
             min(len(keys) for keys in st.keys),
         )
         offer: list[bytes] = []
+        where: list[tuple[int, int]] = []  # (group, offloaded block) of each offered key
         for g in range(len(layout.groups)):
             for c in range(st.cursor[g], chunks):
                 ids = st.block_ids[g][c * layout.factor : (c + 1) * layout.factor]
                 if all(ids):  # a block id 0 is a hole (sliding window): unreachable
                     offer.append(st.keys[g][c])
+                    where.append((g, c))
         if not offer:
             st.cursor = [max(c, chunks) for c in st.cursor]
             self._maybe_settle(st)
@@ -410,7 +472,8 @@ class ConnectorScheduler:
             return
         st.cursor = [max(c, chunks) for c in st.cursor]
         if out.keys_to_store:
-            self._add_store(st, out.keys_to_store, out.store_spec, stores)
+            position = dict(zip(offer, where))
+            self._add_store(st, out.keys_to_store, position, out.store_spec, stores)
         self._maybe_settle(st)
 
     def _maybe_settle(self, st: _Request) -> None:
@@ -425,12 +488,14 @@ class ConnectorScheduler:
             self._settled.add(req.request_id)
 
     def _add_store(
-        self, st: _Request, keys: list[bytes], cpu: CPUSpec, stores: dict[int, DeviceJob]
+        self,
+        st: _Request,
+        keys: list[bytes],
+        position: dict[bytes, tuple[int, int]],
+        cpu: CPUSpec,
+        stores: dict[int, DeviceJob],
     ) -> None:
         layout = self.layout
-        position = {
-            key: (g, c) for g, group_keys in enumerate(st.keys) for c, key in enumerate(group_keys)
-        }
         ids: list[int] = []
         sizes = [0] * len(layout.groups)
         for key in keys:  # keys_to_store keeps the offered order: group by group
@@ -466,7 +531,10 @@ class ConnectorScheduler:
         self._drain_tier_results()
 
     def _job_reported(self, job_id: int, count: int, failed: bool) -> None:
-        job = self._jobs.get(job_id) if job_id >= self._stale_below else None
+        if job_id < self._stale_below:
+            self._fence_reported(job_id, count)
+            return
+        job = self._jobs.get(job_id)
         if job is None:
             return
         job.pending -= count
@@ -491,6 +559,17 @@ class ConnectorScheduler:
             if st.finished and not st.jobs:
                 self._forget(job.req_id)
 
+    def _fence_reported(self, job_id: int, count: int) -> None:
+        due = self._reset_fence.get(job_id)
+        if due is None:
+            return
+        if due > count:
+            self._reset_fence[job_id] = due - count
+            return
+        del self._reset_fence[job_id]
+        if not self._reset_fence:
+            log.info("every device job a cache reset flushed was reported")
+
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """GPU blocks are freed at once: pending stores are flushed if they get reused."""
         st = self._reqs.get(request.request_id)
@@ -502,6 +581,7 @@ class ConnectorScheduler:
         threaded = self._threaded
         return bool(
             self._jobs
+            or self._reset_fence
             or self._deferred
             or self.ledger.has_pending_work()
             or (threaded is not None and threaded.has_pending_work())
@@ -510,16 +590,16 @@ class ConnectorScheduler:
     def take_events(self) -> list[OffloadingEvent]:
         return self.ledger.take_events()
 
-    def reset_cache(self) -> set[int]:
-        """Drain the tiers, forget in-flight device jobs (the workers are told to flush
-        them), clear the CPU tier; returns the device jobs to flush."""
-        threaded = self._threaded
-        if threaded is not None:
-            while self.ledger.outstanding() or self._deferred:
-                self._submit_tier_work()
-                threaded.drain(self.config.wait_timeout_s)
-                self._drain_tier_results()
+    def reset_cache(self) -> set[int] | None:
+        """Flush the tier jobs, forget the device jobs in flight (the workers are told to
+        flush them; a fence waits for their reports), clear the CPU tier; returns the
+        device jobs to flush, or None when a tier job could not be made to end in time
+        (nothing was reset then)."""
+        if not self._flush_tier_work():
+            return None
         flushed = set(self._jobs)
+        for job_id, job in self._jobs.items():
+            self._reset_fence[job_id] = job.pending
         self._jobs.clear()
         self._block_jobs.clear()
         self._stale_below = next(self._job_ids)
@@ -536,6 +616,41 @@ class ConnectorScheduler:
                 self.ledger.note_positions(req_id, keys)
         return flushed
 
+    def _flush_tier_work(self) -> bool:
+        """End every tier job (see the module docstring); False if some are still running."""
+        threaded = self._threaded
+        if threaded is None:
+            return True
+        timeout = self.config.wait_timeout_s
+        deadline = time.monotonic() + timeout
+        self._drain_tier_results()
+        while self._deferred or self.ledger.has_pending_work():
+            self._take_tier_work()
+            jobs = [job for job, _ in self._tier_jobs.values()]
+            if not jobs:
+                break
+            left = max(0.0, deadline - time.monotonic())
+            abandoned = threaded.flush(jobs, left, grace_s=min(1.0, timeout))
+            self._drain_tier_results()
+            if not abandoned:
+                continue
+            running = [
+                task
+                for job in abandoned
+                if job.job_id in self._tier_jobs
+                for task in self._tier_jobs[job.job_id][1]
+            ]
+            log.warning(
+                "reset_cache: tier jobs abandoned at the deadline",
+                jobs=len(abandoned),
+                still_running=[(t.kind.value, t.tier, len(t.keys)) for t in running],
+                timeout_s=timeout,
+            )
+            if running:
+                log.warning("reset_cache refused: tier jobs still touch the CPU tier")
+                return False
+        return True
+
     def shutdown(self) -> None:
         if self._threaded is not None:
             self._threaded.close()  # then dropped: its engine holds views of the region
@@ -543,6 +658,10 @@ class ConnectorScheduler:
         region, self._region = self._region, None
         if region is not None:
             close_region(region)
+
+
+def _no_block_view(slot: int) -> memoryview:
+    raise RuntimeError("no secondary tier: no slot memory is needed")
 
 
 def _aborted(req: Any) -> bool:

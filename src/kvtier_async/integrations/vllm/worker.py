@@ -10,7 +10,24 @@ start so they never delay sampling), then ``get_finished`` / ``get_block_ids_wit
 
 Copies run as device jobs of an `Engine` on a background loop (`ThreadedEngine`), through
 `kvtier_async.transfer`'s handlers (CUDA streams and the event bridge on a GPU, worker
-threads on CPU tensors).
+threads on CPU tensors). A job the engine could not take (its queue was full) comes back
+deferred and is offered again at the next submission.
+
+Flushes. ``jobs_to_flush`` names jobs whose GPU blocks this step's forward pass may
+overwrite (their request was preempted or finished and vLLM handed the blocks on) or, after
+a cache reset, every job in flight. ``handle_preemptions`` hands exactly those jobs to
+`ThreadedEngine.flush`, wherever they are: this step's or last step's stores not submitted
+yet, jobs deferred or still in the engine's inbox, queued or running ones. The flush submits
+the ones without a place in a queue, waiting for room, and waits for them all, so nothing it
+covers runs after the hook returns, whatever the queue depth. It waits ``wait_timeout_s`` at
+most and never raises into vLLM: at the deadline the jobs that have not started are
+cancelled and reported failed at once, and a warning names every abandoned job (job ids,
+request ids, GPU blocks). A copy that is already running cannot be taken back: it is
+cancelled too, but its failure is reported only when the copy really ended (a CPU copy's
+thread returned; on CUDA, its end event completed), even though the hook returned before.
+The scheduler frees a store's CPU slots when the failure reaches it
+(``complete_store(success=False)``: nothing is cascaded), so no slot is handed to another
+key while bytes may still land in it.
 """
 
 from __future__ import annotations
@@ -44,6 +61,7 @@ class ConnectorWorker:
         self._threaded: ThreadedEngine | None = None
         self._deferred_stores: dict[int, DeviceJob] = {}
         self._inflight: dict[int, tuple[int, DeviceJob]] = {}  # engine job id -> (ours, job)
+        self._engine_jobs: dict[int, Job] = {}  # ours -> its engine job, while in flight
         self._retry: list[Job] = []
         self._meta = KVTierWorkerMetadata()
         self._recving: set[str] = set()
@@ -104,15 +122,40 @@ class ConnectorWorker:
     # --- per step ---------------------------------------------------------------------
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
-        """Submit last step's stores and any flushed now; wait for the flushed jobs."""
-        for job_id in meta.jobs_to_flush:
+        """Flush the jobs the scheduler names (see the module docstring); submit last
+        step's other stores."""
+        flush = meta.jobs_to_flush
+        for job_id in flush:
             job = meta.store_jobs.pop(job_id, None)
             if job is not None:
                 self._deferred_stores[job_id] = job
+        threaded = self._threaded
+        if flush and threaded is not None:
+            self._collect()  # what ended is not flushed again
+            self._flush(threaded, flush)
         self._submit(self._deferred_stores)
         self._deferred_stores = {}
-        if meta.jobs_to_flush and self._threaded is not None:
-            self._threaded.drain(self.config.wait_timeout_s)
+
+    def _flush(self, threaded: ThreadedEngine, flush: set[int]) -> None:
+        deferred = self._deferred_stores
+        for job_id in [j for j in deferred if j in flush]:
+            self._engine_job(job_id, deferred.pop(job_id))
+        in_flight = self._engine_jobs
+        jobs = [in_flight[job_id] for job_id in flush if job_id in in_flight]
+        if not jobs:
+            return
+        flushed = {job.job_id for job in jobs}
+        self._retry = [job for job in self._retry if job.job_id not in flushed]
+        abandoned = threaded.flush(jobs, self.config.wait_timeout_s)
+        if abandoned:
+            devices = [self._inflight[job.job_id] for job in abandoned]
+            log.warning(
+                "flush ran past its deadline: jobs abandoned (reported failed once ended)",
+                job_ids=sorted(ours for ours, _ in devices),
+                req_ids=sorted({device.req_id for _, device in devices}),
+                gpu_blocks=sum(len(device.gpu.block_ids) for _, device in devices),
+                timeout_s=self.config.wait_timeout_s,
+            )
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         self._submit(self._deferred_stores)
@@ -133,11 +176,15 @@ class ConnectorWorker:
             return
         batch, self._retry = self._retry, []
         for job_id, device in jobs.items():
-            kind = JobKind.STORE if device.is_store else JobKind.LOAD
-            job = Job(kind, (b"",) * len(device.cpu), device)
-            self._inflight[job.job_id] = (job_id, device)
-            batch.append(job)
+            batch.append(self._engine_job(job_id, device))
         threaded.submit(batch)
+
+    def _engine_job(self, job_id: int, device: DeviceJob) -> Job:
+        kind = JobKind.STORE if device.is_store else JobKind.LOAD
+        job = Job(kind, (b"",) * len(device.cpu), device)
+        self._inflight[job.job_id] = (job_id, device)
+        self._engine_jobs[job_id] = job
+        return job
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose loads finished (their bytes are in place); never waits."""
@@ -154,6 +201,7 @@ class ConnectorWorker:
                 self._retry.append(item.job)
                 continue
             job_id, device = self._inflight.pop(item.job_id)
+            del self._engine_jobs[job_id]
             self._record(job_id, device, item.error)
 
     def _run_inline(self, job_id: int, device: DeviceJob) -> None:
