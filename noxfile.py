@@ -106,6 +106,19 @@ def vllm(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
+def faults(session: nox.Session) -> None:
+    """The fault suite (tests/faults): real faults against the real parts, one table of figures;
+    fails on any wrong byte served, durable block lost or call blocked past its bound. The
+    table is also written as markdown to ``.nox/faults.md``, the scenarios' logs to
+    ``.nox/faults/``; ``nox -s faults -- NAME ...`` runs some scenarios (``-- --help``)."""
+    shared(session)
+    session.env["PYTHONPATH"] = str(ROOT / "tests")
+    out = ROOT / ".nox"
+    where = ["--table-out", str(out / "faults.md"), "--logs", str(out / "faults")]
+    session.run(tool("python"), "-m", "faults", *where, *session.posargs, external=True)
+
+
+@nox.session(python=False)
 def bench(session: nox.Session) -> None:
     """All benchmarks (``nox -s bench -- --json`` for JSON lines), with vLLM as a reference."""
     shared(session)
