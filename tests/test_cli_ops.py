@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import io
 import json
 import mmap
 import multiprocessing
@@ -32,12 +33,12 @@ from typing import Any
 import anyio
 import pytest
 
-from _s3 import make_blocks, make_keys, opened, raw_client
+from _s3 import Injector, make_blocks, make_keys, opened, raw_client
 from kvtier_async.cli import main
 from kvtier_async.config import Section
 from kvtier_async.memory import SharedRegion, region_path
 from kvtier_async.memory._owner import OwnerRecord, write_owner
-from kvtier_async.ops import fsroot, render
+from kvtier_async.ops import fsroot, render, s3root
 from kvtier_async.ops.layout import Block, lru_victims
 from kvtier_async.ops.s3root import connect, parse_url
 from kvtier_async.testing.s3server import MotoS3Server
@@ -626,6 +627,70 @@ def test_a_bucket_that_cannot_be_used_says_why(
         "kvtier gc: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY are empty and the AWS "
         "credential chain found none"
     )
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_listing_refused_after_the_probe_exits_1_naming_the_error(
+    moto_s3: MotoS3Server,
+    s3_bucket: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bucket answers HEAD, then refuses the listing (an error answer injected through
+    botocore's ``before-send`` event, as the obj tier's tests do)."""
+    refuse = Injector(403, "AccessDenied", count=10)
+    enter_client = s3root.enter_client
+
+    async def refusing_lists(stack: Any, requests: Any) -> Any:
+        client = await enter_client(stack, requests)
+        client.meta.events.register("before-send.s3.ListObjectsV2", refuse)
+        return client
+
+    monkeypatch.setattr(s3root, "enter_client", refusing_lists)
+    status, out, err = cli(capsys, "inspect", f"s3://{s3_bucket}", "--endpoint", moto_s3.endpoint)
+    assert (status, out, refuse.injected) == (1, "", 1)  # a final answer: not retried
+    assert err == (
+        "kvtier inspect: ClientError: An error occurred (AccessDenied) when calling the "
+        "ListObjectsV2 operation: injected AccessDenied\n"
+    )
+
+
+# -- the progress line -----------------------------------------------------------------------
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_redraws_one_line_at_most_every_redraw_s() -> None:
+    now = [100.0]
+    stream = Terminal()
+    bar = render.Progress("verify", 100, 100 * 10**6, stream, clock=lambda: now[0])
+    for _ in range(50):
+        now[0] += render.REDRAW_S / 4 + 1e-9  # four blocks per redraw interval
+        bar(1, 10**6)
+    bar.finish()
+    frames = stream.getvalue().split("\r")[1:]
+    assert len(frames) == 50 // 4 + 1 and stream.getvalue().endswith("\x1b[K\n")
+    # 50 of 100 blocks in 2.5 s: 20 blocks/s, 20 MB/s, 2.5 s to go
+    assert frames[-1] == "verify: 50/100 blocks (50%), 20 blocks/s, 20.0 MB/s, ETA 0:03\x1b[K\n"
+
+
+def test_progress_in_a_log_writes_a_line_per_tenth() -> None:
+    now = [0.0]
+    stream = io.StringIO()
+    bar = render.Progress("verify", 25, 25 * 4096, stream, clock=lambda: now[0])
+    for _ in range(25):
+        now[0] += 0.5
+        bar(1, 4096)
+    bar.finish()
+    lines = stream.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == [
+        "3/25", "5/25", "8/25", "10/25", "13/25", "15/25", "18/25", "20/25", "23/25", "25/25",
+    ]  # fmt: skip
+    assert lines[0] == "verify: 3/25 blocks (12%), 2 blocks/s, 0.0 MB/s, ETA 0:11"
+    assert lines[-1].endswith("ETA 0:00")
 
 
 # -- regions ---------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from kvtier_async.bench.report import BenchRecord, as_quick, misses, render_tabl
 from kvtier_async.ops import commands as operations
 from kvtier_async.ops import render
 from kvtier_async.ops.layout import OpsError
+from kvtier_async.ops.s3root import REQUEST_ERRORS
 from kvtier_async.tiers.s3 import BucketNotFoundError, TierOpenError
 
 __all__ = ["configure_logging", "main", "print_records", "run_benchmarks"]
@@ -122,7 +123,7 @@ def _add_operations(commands: Any) -> None:  # argparse's private _SubParsersAct
     look.add_argument("location", metavar="PATH|s3://BUCKET/PREFIX", help=where)
     look.add_argument("--verify", action="store_true", help="read and check every block")
     look.add_argument(
-        "--repair", action="store_true", help="with --verify: delete the damaged blocks"
+        "--repair", action="store_true", help="delete the damaged blocks (implies --verify)"
     )
     look.add_argument("--json", action="store_true", help="print one JSON document")
     look.add_argument(
@@ -289,11 +290,19 @@ def _operation(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[.
         except (OpsError, BucketNotFoundError) as exc:
             print(f"kvtier {name}: {exc}", file=sys.stderr)
             return 2
-        except (TierOpenError, OSError) as exc:
-            print(f"kvtier {name}: {exc}", file=sys.stderr)
+        except (TierOpenError, *REQUEST_ERRORS) as exc:
+            print(f"kvtier {name}: {_describe(exc)}", file=sys.stderr)
             return 1
 
     return run
+
+
+def _describe(exc: BaseException) -> str:
+    """An error for the command's stderr: its text, and its type where the text alone may not
+    say what failed (a request's error)."""
+    if isinstance(exc, TierOpenError | OSError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _inspect_args(args: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Final
 
+import aiohttp
 import anyio
 from botocore import exceptions as boto_errors  # type: ignore[import-untyped]
 
@@ -58,8 +59,16 @@ from kvtier_async.tiers.s3.config import DEFAULT_TIMEOUT_S, S3Config, Scrubber
 from kvtier_async.tiers.s3.errors import TierOpenError
 from kvtier_async.tiers.s3.requests import DEFAULT_BACKOFF_S, Requests, status_of
 
-__all__ = ["Bucket", "S3Location", "connect", "parse_url"]
+__all__ = ["REQUEST_ERRORS", "Bucket", "S3Location", "connect", "parse_url"]
 
+# What a request that failed for good raises (after its retries): a bucket the command could
+# open may still refuse a listing, or its endpoint go away.
+REQUEST_ERRORS: Final = (
+    boto_errors.BotoCoreError,
+    boto_errors.ClientError,
+    aiohttp.ClientError,
+    OSError,
+)
 _DELETE_BATCH: Final = 1000  # DeleteObjects takes at most 1000 names
 _CONFIG_MAX: Final = 1 << 20
 _EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
@@ -131,7 +140,8 @@ async def connect(
     requests = Requests(
         location.url, config, breaker, DEFAULT_BACKOFF_S, head_bucket, Scrubber().describe
     )
-    async with AsyncExitStack() as stack:
+    stack = AsyncExitStack()
+    try:
         try:
             client.append(await enter_client(stack, requests))
             await probe_bucket(requests, client[0])
@@ -139,6 +149,9 @@ async def connect(
             exc.args = (_for_the_command(str(exc), location), *exc.args[1:])
             raise
         yield Bucket(location, config, client[0], requests)
+    finally:
+        with anyio.move_on_after(config.timeout_s, shield=True):  # as the tier's aclose
+            await stack.aclose()
 
 
 def _for_the_command(message: str, location: S3Location) -> str:
