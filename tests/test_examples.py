@@ -112,3 +112,30 @@ def test_the_serve_script_passes_the_config_to_vllm(tmp_path: Path) -> None:
     args = done.stdout.splitlines()
     assert args[:3] == ["serve", "some/model", "--kv-transfer-config"]
     assert json.loads("\n".join(args[3:])) == json.loads(config.read_text())
+
+
+def test_the_inspect_and_gc_script_runs_on_the_servers_root(tmp_path: Path) -> None:
+    script = str(EXAMPLES / "inspect_and_gc.sh")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # this venv's kvtier
+    missing = subprocess.run([script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=60, check=False)  # fmt: skip
+    assert missing.returncode == 2 and "kvtier-example-root: no such directory" in missing.stderr
+    run_example(str(EXAMPLES / "asyncio_server.py"), "--requests", "60", cwd=tmp_path)
+    done = subprocess.run([script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "\n$ kvtier inspect kvtier-example-root\nkvtier-example-root: 1 model namespace, " in out
+    assert "model example-model  digest " in out and "config: block_bytes=16384 " in out
+    assert " 0 damaged, 0 vanished, 0 unreadable;" in out
+    assert "verify: " in done.stderr and "(100%)" in done.stderr  # the progress lines
+    assert "(all models): " in out and "; limit 4.0 MiB\nwould delete " in out
+    assert "\nleft " in out and out.count("would leave") == 1
+    report = json.loads(
+        out.split("$ kvtier inspect --json kvtier-example-root\n")[1].split("\n$")[0]
+    )
+    assert 0 < report["bytes"] <= 4 << 20
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "kvtier-example-root").rglob("*.bin"))
+    assert on_disk == report["bytes"]
+    assert "\n$ kvtier regions\n/dev/shm: " in out

@@ -1,12 +1,22 @@
-"""The ``kvtier`` command: ``bench``, ``demo`` and ``version``.
+"""The ``kvtier`` command: ``bench``, ``demo``, ``version``, and the operations ``inspect``,
+``gc`` and ``regions`` (their work is in `kvtier_async.ops`; this module parses and prints).
 
 This is the only place that configures log output: `configure_logging` sends the library's
 ``logging`` records to stderr, rendered by structlog's console renderer: warnings and errors
-by default, INFO with ``-v``, DEBUG with ``-vv``. Results go to stdout; progress notes go to
-stderr.
+by default, INFO with ``-v``, DEBUG with ``-vv``. Results go to stdout (``--json``: one JSON
+document); progress notes and errors go to stderr.
 
-Exit status: 0 on success, 1 when ``bench --check`` finds a missed target or a command fails,
-2 on a usage error.
+Exit status:
+
+- 0: success.
+- 1: a problem was found and left, or a command failed: ``bench --check`` found a missed
+  target; ``inspect --verify`` found damaged blocks and did not delete them all (no
+  ``--repair``, or a deletion failed), or could not read some; ``gc`` could not delete some
+  blocks; ``regions --remove-stale`` left a stale region (a live process maps it); a bucket
+  could not be used (unreachable, credentials, access).
+- 2: a usage error: bad arguments (argparse), a path that is no directory
+  (``kvtier inspect: /x: no such directory``), a malformed ``s3://`` URL, a missing bucket,
+  a ``--model`` that matches no namespace.
 """
 
 from __future__ import annotations
@@ -15,12 +25,18 @@ import argparse
 import functools
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import structlog
 
 from kvtier_async import __version__, bench
 from kvtier_async.bench.report import BenchRecord, as_quick, misses, render_table
+from kvtier_async.ops import commands as operations
+from kvtier_async.ops import render
+from kvtier_async.ops.layout import OpsError
+from kvtier_async.ops.s3root import REQUEST_ERRORS
+from kvtier_async.tiers.s3 import BucketNotFoundError, TierOpenError
 
 __all__ = ["configure_logging", "main", "print_records", "run_benchmarks"]
 
@@ -94,7 +110,65 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--turns", type=_positive, default=5, help="turns each, default 5")
     show.set_defaults(command=_demo)
     commands.add_parser("version", help="print the version").set_defaults(command=_version)
+    _add_operations(commands)
     return parser
+
+
+def _add_operations(commands: Any) -> None:  # argparse's private _SubParsersAction
+    """The ``inspect``, ``gc`` and ``regions`` subcommands."""
+    where = "an fs tier's root directory, or s3://BUCKET[/PREFIX] (the obj tier's prefix)"
+    look = commands.add_parser(
+        "inspect", help="what a tier root holds: models, blocks, bytes, ages; --verify checks"
+    )
+    look.add_argument("location", metavar="PATH|s3://BUCKET/PREFIX", help=where)
+    look.add_argument("--verify", action="store_true", help="read and check every block")
+    look.add_argument(
+        "--repair", action="store_true", help="delete the damaged blocks (implies --verify)"
+    )
+    look.add_argument("--json", action="store_true", help="print one JSON document")
+    look.add_argument(
+        "--jobs", type=_positive, default=None, help="reads in flight (default 4; s3: 16)"
+    )
+    _add_s3_flags(look)
+    look.set_defaults(command=_inspect)
+    trim = commands.add_parser("gc", help="delete least recently used blocks down to a size")
+    trim.add_argument("location", metavar="PATH|s3://BUCKET/PREFIX", help=where)
+    trim.add_argument(
+        "--max-bytes",
+        type=_size,
+        required=True,
+        metavar="N",
+        help="keep at most N bytes of blocks (suffixes K, M, G, T: powers of 1024)",
+    )
+    trim.add_argument("--model", metavar="DIGEST", help="only this namespace (digest or name)")
+    trim.add_argument("--dry-run", action="store_true", help="list what would be deleted")
+    trim.add_argument("--json", action="store_true", help="print one JSON document")
+    _add_s3_flags(trim)
+    trim.set_defaults(command=_gc)
+    shm = commands.add_parser("regions", help="the CPU tier's shared regions and their owners")
+    shm.add_argument("--dir", default="/dev/shm", help="where the regions are (default /dev/shm)")
+    shm.add_argument(
+        "--remove-stale",
+        action="store_true",
+        help="remove the regions of dead processes that nobody maps",
+    )
+    shm.add_argument("--json", action="store_true", help="print one JSON document")
+    shm.set_defaults(command=_regions)
+
+
+def _add_s3_flags(parser: argparse.ArgumentParser) -> None:
+    """How to reach a bucket; credentials come from the AWS chain, never from flags."""
+    group = parser.add_argument_group(
+        "s3 (credentials: the standard AWS chain, e.g. AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+    )
+    group.add_argument(
+        "--endpoint", default="", help="host:port or http(s)://host:port (default: AWS S3)"
+    )
+    group.add_argument("--region", default="", help="default: us-east-1 with --endpoint")
+    group.add_argument(
+        "--timeout", type=_seconds, default=5.0, help="seconds per request (default 5)"
+    )
 
 
 def _positive(text: str) -> int:
@@ -105,6 +179,25 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _size(text: str) -> int:
+    """Argparse type: a byte count with an optional K/M/G/T suffix."""
+    try:
+        return render.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(text: str) -> float:
+    """Argparse type: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected seconds in (0, 3600], got {text!r}")
     return value
 
 
@@ -179,6 +272,103 @@ def _demo(args: argparse.Namespace) -> int:
     )
     print(demo.render_report(report))
     return 0
+
+
+def _s3_options(args: argparse.Namespace) -> operations.S3Options:
+    jobs = getattr(args, "jobs", None) or 16
+    return operations.S3Options(args.endpoint, args.region, args.timeout, jobs)
+
+
+def _operation(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
+    """Run ``fn``; a bad location or argument exits 2, a bucket that cannot be used 1,
+    each with a line on stderr that names what is wrong."""
+
+    @functools.wraps(fn)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (OpsError, BucketNotFoundError) as exc:
+            print(f"kvtier {name}: {exc}", file=sys.stderr)
+            return 2
+        except (TierOpenError, *REQUEST_ERRORS) as exc:
+            print(f"kvtier {name}: {_describe(exc)}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def _describe(exc: BaseException) -> str:
+    """An error for the command's stderr: its text, and its type where the text alone may not
+    say what failed (a request's error)."""
+    if isinstance(exc, TierOpenError | OSError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _inspect_args(args: argparse.Namespace) -> int:
+    """``kvtier inspect``: the report, and with --verify the damaged blocks."""
+    verify = args.verify or args.repair
+    jobs = args.jobs or (16 if operations.remote(args.location) else 4)
+
+    def progress(blocks: int, nbytes: int) -> Callable[[int, int], None]:
+        bar = render.Progress("verify", blocks, nbytes, sys.stderr)
+        bars.append(bar)
+        return bar
+
+    bars: list[render.Progress] = []
+    root, checked = operations.inspect(
+        args.location,
+        verify=verify,
+        repair=args.repair,
+        jobs=jobs,
+        s3=_s3_options(args),
+        progress=progress,
+    )
+    for bar in bars:
+        bar.finish()
+    if args.json:
+        document = render.root_json(root)
+        if checked is not None:
+            document["verify"] = render.verification_json(checked, repair=args.repair)
+        print(render.to_json(document))
+    else:
+        print(render.root_text(root))
+        if checked is not None:
+            print()
+            print(render.verification_text(checked, repair=args.repair))
+    problems = checked is not None and (not checked.repaired or bool(checked.errors))
+    return 1 if problems else 0
+
+
+def _gc_args(args: argparse.Namespace) -> int:
+    """``kvtier gc``: plan (and unless --dry-run, delete) least recently used blocks."""
+    plan, result = operations.gc(
+        args.location,
+        args.max_bytes,
+        model=args.model,
+        dry_run=args.dry_run,
+        s3=_s3_options(args),
+    )
+    if args.json:
+        print(render.to_json(render.gc_json(plan, result)))
+    else:
+        print(render.gc_text(plan, result))
+    return 1 if result is not None and result.failed else 0
+
+
+def _regions_args(args: argparse.Namespace) -> int:
+    """``kvtier regions``: the regions, and with --remove-stale those removed and kept."""
+    found, removed, kept = operations.list_regions(args.dir, remove_stale=args.remove_stale)
+    if args.json:
+        print(render.to_json(render.regions_json(args.dir, found, removed, kept)))
+    else:
+        print(render.regions_text(args.dir, found, removed, kept))
+    return 1 if kept else 0
+
+
+_inspect = _operation("inspect", _inspect_args)
+_gc = _operation("gc", _gc_args)
+_regions = _operation("regions", _regions_args)
 
 
 def _version(args: argparse.Namespace) -> int:
