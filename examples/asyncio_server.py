@@ -23,6 +23,7 @@ import hashlib
 import json
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 import aiofiles  # asyncio-only, like this example: the report file is written with it
 import numpy as np
@@ -41,8 +42,14 @@ def fake_kv(key: bytes) -> np.ndarray:
     return np.resize(seed, BLOCK_BYTES)
 
 
-async def serve_one(cache: TieredKVCache, req_id: str, prompt: list[int]) -> tuple[int, int]:
-    """One request: (blocks reused from the cache, blocks computed)."""
+class Served(NamedTuple):
+    reused: int  # blocks loaded from the cache
+    computed: int  # blocks the model computed (and offered to the cache)
+    busy: bool  # the CPU tier had no room for them (StoreResult.no_room)
+
+
+async def serve_one(cache: TieredKVCache, req_id: str, prompt: list[int]) -> Served:
+    """One request, from its token ids to its stored blocks."""
     keys = prefix_keys(prompt, block_tokens=BLOCK_TOKENS, salt=b"example-model")
     async with cache.request(req_id) as r:  # the request's calls share its id
         hits = await r.lookup(keys)
@@ -53,9 +60,11 @@ async def serve_one(cache: TieredKVCache, req_id: str, prompt: list[int]) -> tup
         for i in range(loaded, len(keys)):  # the model computes what the cache lacked
             gpu[i][:] = fake_kv(keys[i])
         result: StoreResult = await r.store(keys[loaded:], gpu[loaded:])
-        if result.no_room:  # every CPU slot is pinned by other requests' loads right now
-            print(f"{req_id}: CPU tier busy (no_room): its new blocks were not cached")
-    return loaded, len(keys) - loaded
+        # no_room: the CPU tier could not free enough slots at that moment (the others were
+        # being loaded, stored or copied to the fs tier), so these blocks were not cached.
+        # Nothing is lost or wrong, the request is served either way; a bigger CPU tier or
+        # fewer requests in flight avoid it.
+    return Served(loaded, len(keys) - loaded, result.no_room)
 
 
 async def main(root: str, requests: int, concurrency: int, report: str | None) -> None:
@@ -72,14 +81,15 @@ async def main(root: str, requests: int, concurrency: int, report: str | None) -
     for i in range(requests):
         prompt = systems[rng.randrange(4)] + [rng.randrange(32_000) for _ in range(64)]
         queue.put_nowait((f"req-{i}", prompt))
-    reused = computed = 0
+    reused = computed = busy = 0
 
     async def worker() -> None:
-        nonlocal reused, computed
+        nonlocal reused, computed, busy
         while not queue.empty():
             req_id, prompt = queue.get_nowait()
-            hit, miss = await serve_one(cache, req_id, prompt)
-            reused, computed = reused + hit, computed + miss
+            served = await serve_one(cache, req_id, prompt)
+            reused, computed = reused + served.reused, computed + served.computed
+            busy += served.busy
 
     async with TieredKVCache(config) as cache:
         async with asyncio.TaskGroup() as tg:
@@ -98,6 +108,8 @@ async def main(root: str, requests: int, concurrency: int, report: str | None) -
     print(f"  hit in the CPU tier:   {from_cpu:5d} blocks ({from_cpu / total:.0%})")
     for name, count in from_tiers.items():
         print(f"  promoted from {name + ':':8s}{count:5d} blocks ({count / total:.0%})")
+    if busy:
+        print(f"  {busy} requests found the CPU tier busy (no_room): their blocks not cached")
     if report is not None:
         summary = {
             "requests": requests,

@@ -37,9 +37,9 @@ async def main(root: str, requests: int, concurrency: int) -> None:
 
     async def worker() -> None:
         async for req_id, prompt in receive:
-            hit, miss = await serve_one(cache, req_id, prompt)
-            totals[0] += hit
-            totals[1] += miss
+            served = await serve_one(cache, req_id, prompt)
+            totals[0] += served.reused
+            totals[1] += served.computed
 
     async with TieredKVCache(config) as cache:
         async with trio.open_nursery() as nursery:

@@ -62,8 +62,8 @@ async def test_serve_one_returns_what_it_stored(tmp_path: Path) -> None:
     config = {"block_bytes": server.BLOCK_BYTES, "num_slots": 32}
     prompt = list(range(100))
     async with TieredKVCache(config) as cache:
-        assert await server.serve_one(cache, "a", prompt) == (0, 6)
-        assert await server.serve_one(cache, "b", prompt) == (6, 0)  # checked byte for byte
+        assert await server.serve_one(cache, "a", prompt) == (0, 6, False)
+        assert await server.serve_one(cache, "b", prompt) == (6, 0, False)  # byte for byte
 
 
 def test_the_asyncio_server_runs_as_a_script(tmp_path: Path) -> None:
