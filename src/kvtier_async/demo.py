@@ -144,6 +144,23 @@ async def _turn(
     report.stored_blocks += len(result.stored)
 
 
+# What the table's columns count, printed under it.
+COLUMNS = [
+    "",
+    "  lookups      keys asked of the tier (cpu: every key looked up; the others: keys the",
+    "               CPU tier did not hold then)",
+    "  hits         of those, keys the tier held (cpu: with those promoted for the lookup;",
+    "               a key held by two tiers is promoted from the first)",
+    "  promoted     blocks copied up from the tier into the CPU tier after a hit",
+    "  cascaded     blocks copied down from the CPU tier into the tier",
+    "  bytes moved  bytes the tier read and wrote (cpu: copies to and from the caller)",
+    "  GB/s         bytes moved per second of the tier's job run time, summed over its",
+    "               concurrent jobs, lookups included (they move no bytes): how busy the",
+    "               tier was in this small, latency-bound run, not its bandwidth",
+    "               (for that: kvtier bench fs)",
+]
+
+
 def render_report(report: DemoReport) -> str:
     stats = report.stats
     assert stats is not None
@@ -183,6 +200,7 @@ def render_report(report: DemoReport) -> str:
         for row in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += COLUMNS
     share = report.reused_tokens / report.prompt_tokens if report.prompt_tokens else 0.0
     lines += [
         "",
