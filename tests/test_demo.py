@@ -21,6 +21,9 @@ def test_demo_reuses_prompts_and_promotes_from_the_secondary_tier() -> None:
     assert report.stats.ledger.writing == 0 and report.stats.ledger.pinned == 0
     text = demo.render_report(report)
     assert "prompt tokens not recomputed" in text and "memory" in text
+    columns = text.splitlines()[0].split()[1:]  # "bytes moved" reads as "bytes", "moved"
+    explained = [line.split()[0] for line in demo.COLUMNS if line[2:3].strip()]
+    assert set(columns) - {"moved"} == set(explained)  # each column explained under the table
 
 
 def test_block_keys_chain_like_prefix_hashes() -> None:
