@@ -332,8 +332,11 @@ async def test_a_corrupt_object_fails_and_is_deleted(
                 "foreign": os.urandom(len(good)),
             }[damage]
             await client.put_object(Bucket=s3_bucket, Key=name, Body=body)
+            assert tier.take_removed() == []
             assert await tier.load(keys, slots) == [False, True]
             assert await tier.lookup(keys) == [False, True]  # deleted
+            assert tier.take_removed() == [keys[0]]  # reported once
+            assert tier.take_removed() == []
             listed = await client.list_objects_v2(Bucket=s3_bucket)
         stats = tier.statistics()
     assert [o["Key"] for o in listed["Contents"]] == [tier.object_name(keys[1])]

@@ -100,10 +100,7 @@ async def trial(
         if await head(client, bucket, name):
             row.problems.append(f"{kind}: the damaged object is still there")
         if cache.take_removed(TIER) != keys[:1]:
-            row.notes.append(
-                "the obj tier deletes a damaged object but does not report it (no "
-                "take_removed): the cache announces no removal (KV event) for it"
-            )
+            row.problems.append(f"{kind}: the damaged object's removal was not announced")
         await store(cache, keys[:1], calls)
         await calls("drain", cache.drain)
         repaired = await audit(cache, keys[:1], calls)

@@ -16,9 +16,10 @@ answers 501 to conditional PUTs switches the tier to HEAD-then-PUT, once.
 *Load* GETs the object and streams it into the slot (`client.read_into`). Length and
 checksums are verified before the key is reported loaded. A corrupt object (wrong length, bad
 header, wrong key or payload checksum) fails its key and is deleted, so later lookups answer
-False; a missing one fails its key. *Lookup* HEADs each key; keys run concurrently, up to
-``max_concurrency``. A lookup's HEAD gets ``lookup_timeout_s`` (default ``min(1.0,
-timeout_s)``) in all, retries included: a lookup that does not answer in time is a miss,
+False, and once the delete succeeded its key is reported by `take_removed` (the cache then
+announces the removal); a missing one fails its key. *Lookup* HEADs each key; keys run
+concurrently, up to ``max_concurrency``. A lookup's HEAD gets ``lookup_timeout_s`` (default
+``min(1.0, timeout_s)``) in all, retries included: a lookup that does not answer in time is a miss,
 counted in ``lookup_timeouts``.
 
 *Failures.* Every request goes through `requests.Requests` (deadlines, retries, the circuit
@@ -63,6 +64,7 @@ from kvtier_async.tiers.blockfile import (
     pack_header,
     verify_block,
 )
+from kvtier_async.tiers.fs.records import REMOVED_DAMAGED, Removed
 from kvtier_async.tiers.s3.breaker import (
     DEFAULT_BREAKER_OPEN_S,
     DEFAULT_BREAKER_THRESHOLD,
@@ -145,6 +147,7 @@ class S3Tier(SecondaryTier):
         self._counts = dict.fromkeys(
             ("stored", "skipped", "loaded", "written", "read", "store_failures",
              "load_failures", "lookups", "hits", "corrupt", "lookup_timeouts"), 0)  # fmt: skip
+        self._removed = Removed()  # keys of corrupt objects deleted, for take_removed
 
     def __repr__(self) -> str:
         where = self.config.endpoint_url or "AWS"
@@ -244,6 +247,9 @@ class S3Tier(SecondaryTier):
         await self._requests.admit()
         return await self._fan_out(lambda i: self._load_one(keys[i], blocks[i]), len(keys))
 
+    def take_removed(self) -> list[bytes]:
+        return self._removed.take()
+
     def statistics(self) -> S3TierStatistics:
         counts, requests = self._counts, self._requests
         put = "conditional PUT" if self._conditional_put else "HEAD then PUT"
@@ -340,7 +346,8 @@ class S3Tier(SecondaryTier):
             log.warning(
                 "obj corrupt object deleted", tier=self.name, key=key.hex(), reason=str(exc)
             )
-            await self._delete(name)
+            if await self._delete(name):
+                self._removed.add(key, REMOVED_DAMAGED)
             return False
         except Exception as exc:
             self._counts["load_failures"] += 1
@@ -413,12 +420,15 @@ class S3Tier(SecondaryTier):
             stream.close()
         verify_block(header, key, block)
 
-    async def _delete(self, name: str) -> None:
+    async def _delete(self, name: str) -> bool:
+        """Delete object ``name``; False (warned) if the store did not confirm it."""
         call = functools.partial(self.client.delete_object, Bucket=self.config.bucket, Key=name)
         try:
             await self._requests.send(call)
         except Exception as exc:
             self._warn("obj delete failed", tier=self.name, object=name, error=self._describe(exc))
+            return False
+        return True
 
 
 def from_config(section: Section, name: str, ctx: TierContext) -> S3Tier:
