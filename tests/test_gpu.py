@@ -592,9 +592,9 @@ _MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost; 0 is cudaMemoryTypeUnregistered
 
 def memory_type(address: int) -> int:
     """``cudaPointerAttributes.type`` of ``address``, through the loaded CUDA runtime."""
-    from kvtier_async.transfer._cudart import _loaded_cudart
+    from kvtier_async._cudart import loaded_library_path
 
-    path = _loaded_cudart()
+    path = loaded_library_path()
     assert path is not None, "libcudart is not loaded"
     cudart = ctypes.CDLL(path)
     attributes = ctypes.create_string_buffer(256)  # the struct, with room to spare

@@ -173,6 +173,7 @@ class TieredKVCache:
         self._region: SharedRegion | None = None
         self._slots: Bytes | None = None
         self._engine: Engine | None = None
+        self._tiers: list[SecondaryTier] = []
         self._ledger: TieringLedger | None = None
         self._progress = anyio.Event()
         self._lookups = self._lookup_hits = 0
@@ -220,7 +221,7 @@ class TieredKVCache:
         except BaseException:
             await self._close_region()
             raise
-        self._engine = engine
+        self._engine, self._tiers = engine, tiers
         return self
 
     async def __aexit__(
@@ -239,7 +240,7 @@ class TieredKVCache:
                 if drained.cancelled_caught:
                     _log_abandoned(engine, self.config.close_timeout_s)
         finally:
-            self._engine = None
+            self._engine, self._tiers = None, []
             try:
                 if engine is not None:  # always: its task group was entered in this task
                     await engine.__aexit__(exc_type, exc, tb)
@@ -274,7 +275,8 @@ class TieredKVCache:
 
     @property
     def tiers(self) -> list[SecondaryTier]:
-        return self.engine.tiers
+        self._require_open()
+        return self._tiers
 
     # --- lookup ------------------------------------------------------------------------
 

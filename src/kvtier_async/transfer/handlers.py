@@ -54,10 +54,10 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
+from kvtier_async._cudart import memcpy_async
 from kvtier_async._log import get_logger
 from kvtier_async.ledger import CPUSpec, GPUSpec, Medium
 
-from ._cudart import memcpy_async
 from .bridge import BridgeStrategy, EventBridge
 from .canonical import CanonicalKV, SlotLayout
 from .hostcopy import BatchCopier, batch_copier, copier_name, merges_runs
