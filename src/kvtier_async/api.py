@@ -39,7 +39,6 @@ from typing import Any
 
 import anyio
 import numpy as np
-import numpy.typing as npt
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvtier_async._log import get_logger
@@ -63,7 +62,6 @@ from kvtier_async.transfer.plan import HostSlots
 __all__ = ["CacheConfig", "CacheRequest", "CacheStats", "StoreResult", "TieredKVCache"]
 
 log = get_logger(__name__)
-Bytes = npt.NDArray[np.uint8]
 
 _LET_GO_S = 30.0  # how long a cancelled call waits for its copy to stop touching its blocks
 
@@ -556,7 +554,11 @@ def _open_region(cfg: CacheConfig) -> SharedRegion:
     """The CPU tier's region, pinned for DMA when CUDA is present (a no-op without; a failed
     registration is logged and copies use pageable memory)."""
     region = SharedRegion(cfg.instance_id, cfg.num_slots, cfg.block_bytes, directory=cfg.region_dir)
-    region.register_cuda()
+    try:
+        region.register_cuda()
+    except BaseException:
+        close_region(region)
+        raise
     return region
 
 

@@ -12,10 +12,11 @@ run:
   a larger one in a worker thread, in pieces of ``chunk_bytes`` that check for
   cancellation, so a cancelled call waits for one piece at most;
 - CUDA blocks with one `CudaPlanCopier` per device and direction, made on first use with
-  the copier's `EventBridge`: a side stream that first waits on the streams the callers were
-  on, completion awaited through the bridge, a cancelled copy waited for (shielded) until
-  its end event completed. The host slots are pinned when the region was registered with
-  CUDA (`SharedRegion.register_cuda`, which the cache does at open when CUDA is present).
+  the copier's `EventBridge`: a side stream that first waits on the device's default stream
+  and on the streams the callers were on, completion awaited through the bridge, a
+  cancelled copy waited for (shielded) until its end event completed. The host slots are
+  pinned when the region was registered with CUDA (`SharedRegion.register_cuda`, which the
+  cache does at open when CUDA is present).
 
 Either way `copy` returns, or raises, only once nothing of the copy can touch the caller's
 blocks any more.
@@ -143,7 +144,9 @@ class BlockCopier:
         to_host: bool,
     ) -> int:
         tensors = [blocks[i].tensor for i in indices]
-        streams = list({id(s): s for s in (blocks[i].stream for i in indices)}.values())
+        streams = list(
+            {int(s.cuda_stream): s for s in (blocks[i].stream for i in indices)}.values()
+        )
         addresses = [int(tensor.data_ptr()) for tensor in tensors]
         plan = self._plan([slot_ids[i] for i in indices], addresses, to_host)
         copier = self._device_copier(device, to_host)
@@ -171,7 +174,17 @@ class BlockCopier:
             if bridge is None:
                 bridge = EventBridge(self._bridge_strategy, name=str(device))
                 self._bridges[device] = bridge
-            copier = CudaPlanCopier(device, self._live_slots(), to_host=to_host, bridge=bridge)
+            import torch
+
+            copier = CudaPlanCopier(
+                device,
+                self._live_slots(),
+                to_host=to_host,
+                bridge=bridge,
+                # the device's default stream, not whatever stream is current on first use;
+                # each copy also waits on the streams its callers were on
+                compute_stream=torch.cuda.default_stream(device),
+            )
             self._cuda[(device, to_host)] = copier
         return copier
 
