@@ -184,11 +184,11 @@ class TieredKVCache:
         cfg = self.config
         region = await anyio.to_thread.run_sync(_open_region, cfg)
         self._region = region
-        self._blocks = BlockCopier(HostSlots.from_region(region), cfg.block_bytes)
         ctx = TierContext(
             block_bytes=region.row_bytes, model=cfg.model, instance_id=cfg.instance_id
         )
         try:
+            self._blocks = BlockCopier(HostSlots.from_region(region), cfg.block_bytes)
             tiers = [
                 make_tier(t, ctx, f"secondary_tiers[{i}]")
                 for i, t in enumerate(cfg.secondary_tiers)
