@@ -21,8 +21,8 @@ from typing import Any
 import aioboto3
 from aiobotocore.awsrequest import AioAWSResponse
 
+from kvtier_async.bench.s3server import MotoS3Server
 from kvtier_async.ledger import make_offload_key
-from kvtier_async.testing.s3server import MotoS3Server
 from kvtier_async.tiers.base import SecondaryTier
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier_async.testing.s3server import MotoS3Server
+from kvtier_async.bench.s3server import MotoS3Server
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,9 @@ from kvtier_async.api import CacheConfig, TieredKVCache
 from kvtier_async.config import ConfigError
 from kvtier_async.ledger import LedgerError, LookupResult, make_offload_key
 from kvtier_async.tiers.memory import MemoryTier
+from kvtier_async.transfer.copier import HostPlanCopier
+from kvtier_async.transfer.hostcopy import batch_copier
+from kvtier_async.transfer.plan import CopyPlan
 
 pytestmark = pytest.mark.anyio
 BLOCK = 4096
@@ -182,15 +185,17 @@ def hold_device_copies(cache: TieredKVCache) -> Callable[[], Awaitable[None]]:
     """Make the device lane's copies wait; the returned coroutine function waits until one
     has started, then lets it finish (the job still ends cancelled if it was cancelled)."""
     started, release = threading.Event(), threading.Event()
-    copy = cache._copy_blocks
-    cache._inline_copy_bytes = 0  # every copy in a worker thread, where it can wait
+    copy = batch_copier()
+    blocks = cache._blocks
+    assert blocks is not None
+    blocks.inline_bytes = 0  # every copy in a worker thread, where it can wait
 
-    def slow_copy(*args: Any, **kwargs: Any) -> None:
+    def slow_copy(plan: CopyPlan) -> None:
         started.set()
         release.wait()
-        copy(*args, **kwargs)
+        copy(plan)
 
-    cache._copy_blocks = slow_copy  # type: ignore[method-assign]
+    blocks.host = HostPlanCopier(slow_copy)
 
     async def copying() -> None:
         await anyio.to_thread.run_sync(started.wait)
@@ -290,6 +295,16 @@ async def test_wrong_block_sizes_are_refused_before_anything_is_reserved() -> No
         assert cache.ledger.primary.statistics().used == 0
 
 
+async def test_blocks_on_a_device_without_a_copy_path_are_refused() -> None:
+    """Blocks are host memory or CUDA tensors (the transfer path's two copiers)."""
+    async with TieredKVCache(config()) as cache:
+        meta = torch.empty(BLOCK, dtype=torch.uint8, device="meta")
+        with pytest.raises(ValueError, match=r"blocks\[1\] is on meta: blocks must be in CPU"):
+            await cache.store(ks(1, 2), [np.zeros(BLOCK, np.uint8), meta])
+        verify_idle(cache)
+        assert cache.ledger.primary.statistics().used == 0
+
+
 async def test_cancelled_while_draining_at_exit_still_closes_everything() -> None:
     cache = TieredKVCache(config())
     entered: list[MemoryTier] = []
@@ -347,11 +362,12 @@ async def test_a_cancelled_store_never_reads_the_callers_blocks_afterwards() -> 
             block.fill(0xEE)  # bytes the store must never see
         await cache.drain()
         verify_idle(cache)
-        region = cache._slots
-        assert region is not None
+        assert cache._region is not None
+        region = cache._region.numpy()
         stored = [k for k in keys if cache.ledger.primary.lookup(k) is LookupResult.HIT]
         assert not stored  # a cancelled store publishes nothing
         assert not np.any(region == 0xEE), "the store read the caller's blocks after returning"
+        del region  # the cache's region closes at the end of the block
 
 
 # --- keys are checked at the call ----------------------------------------------------------

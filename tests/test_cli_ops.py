@@ -34,6 +34,7 @@ import anyio
 import pytest
 
 from _s3 import Injector, make_blocks, make_keys, opened, raw_client
+from kvtier_async.bench.s3server import MotoS3Server
 from kvtier_async.cli import main
 from kvtier_async.config import Section
 from kvtier_async.memory import SharedRegion, region_path
@@ -41,7 +42,6 @@ from kvtier_async.memory._owner import OwnerRecord, write_owner
 from kvtier_async.ops import fsroot, render, s3root
 from kvtier_async.ops.layout import Block, lru_victims
 from kvtier_async.ops.s3root import connect, parse_url
-from kvtier_async.testing.s3server import MotoS3Server
 from kvtier_async.tiers.base import TierContext, block_relpath
 from kvtier_async.tiers.blockfile import HEADER_BYTES
 from kvtier_async.tiers.fs import FsTier, tempfiles

@@ -574,7 +574,7 @@ async def test_a_cancelled_copy_writes_nothing_after_it_returns(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(job)
                 await anyio.wait_all_tasks_blocked()
-                in_flight = not handler._last_end.query()  # type: ignore[union-attr]
+                in_flight = handler.copier.busy()
                 scope.cancel()
         at_return = destination()
         torch.cuda.synchronize()
@@ -592,9 +592,9 @@ _MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost; 0 is cudaMemoryTypeUnregistered
 
 def memory_type(address: int) -> int:
     """``cudaPointerAttributes.type`` of ``address``, through the loaded CUDA runtime."""
-    from kvtier_async.transfer._cudart import _loaded_cudart
+    from kvtier_async._cudart import loaded_library_path
 
-    path = _loaded_cudart()
+    path = loaded_library_path()
     assert path is not None, "libcudart is not loaded"
     cudart = ctypes.CDLL(path)
     attributes = ctypes.create_string_buffer(256)  # the struct, with room to spare
@@ -664,6 +664,37 @@ async def test_tiered_cache_with_device_blocks_end_to_end(tmp_path: Path, device
             assert torch.equal(out, data[:4])
             stats = cache.ledger.primary.statistics()
             assert stats.writing == 0 and stats.pinned == 0
+
+
+@gpu_test
+@pytest.mark.anyio
+async def test_tiered_cache_pins_its_region_and_copies_after_the_callers_stream(
+    tmp_path: Path,
+) -> None:
+    """The async API's CUDA path is the transfer package's: the region is registered (pinned)
+    at open, and a store waits for the work queued on the stream the caller was on (here a
+    fill queued behind a long GPU sleep on a side stream), so it stores the filled bytes."""
+    from kvtier_async.api import TieredKVCache
+
+    block = 256 << 10
+    (tmp_path / "shm").mkdir()
+    config = {"block_bytes": block, "num_slots": 4, "region_dir": str(tmp_path / "shm")}
+    with anyio.fail_after(DEADLINE_S):
+        async with TieredKVCache(config) as cache:
+            assert cache._region is not None and cache._region.is_cuda_registered
+            assert memory_type(cache._region.slot_address(0)) == _MEMORY_TYPE_HOST
+            data = torch.zeros(2, block, dtype=torch.uint8, device="cuda")
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+                data.fill_(0x5A)
+                stored = await cache.store([key(1), key(2)], list(data))
+            assert stored.stored == [key(1), key(2)]
+            out = torch.zeros(2, block, dtype=torch.uint8, device="cuda")
+            assert await cache.load([key(1), key(2)], list(out)) == 2
+            torch.cuda.synchronize()
+            assert bool((out == 0x5A).all()), "the store did not wait for the caller's stream"
 
 
 # -- the vLLM worker role on CUDA KV caches -------------------------------------------

@@ -144,3 +144,22 @@ def test_a_cached_library_that_is_not_private_is_rebuilt(
     st = built.stat()
     assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
     assert _load(built) == 7
+
+
+@pytest.mark.parametrize(
+    ("value", "off"),
+    [("0", True), ("false", True), (" No ", True), ("OFF", True), ("1", False), ("", False)],
+)
+def test_the_opt_out_switches_have_one_parser(
+    monkeypatch: pytest.MonkeyPatch, value: str, off: bool
+) -> None:
+    """Every KVTIER_* opt-out switch (native fs I/O, native copy, cudaMemcpyAsync) is read
+    by `_native.disabled`, and an unset switch is on."""
+    from kvtier_async import _cudart
+
+    for variable in ("KVTIER_NATIVE_FS", "KVTIER_NATIVE_COPY", "KVTIER_CUDART_MEMCPY"):
+        monkeypatch.setenv(variable, value)
+        assert _native.disabled(variable) is off
+        monkeypatch.delenv(variable)
+        assert _native.disabled(variable) is False
+    assert _cudart.disabled is _native.disabled

@@ -21,9 +21,9 @@ import structlog
 
 from _s3 import make_keys
 from kvtier_async.api import CacheConfig, TieredKVCache
+from kvtier_async.bench.s3server import MotoS3Server
 from kvtier_async.config import ConfigError, ConfigMapping, Section
 from kvtier_async.integrations.vllm.config import ConnectorConfig
-from kvtier_async.testing.s3server import MotoS3Server
 from kvtier_async.tiers.base import TierContext, make_tier
 from kvtier_async.tiers.s3 import S3Config
 

@@ -38,11 +38,11 @@ from _s3 import (
     raw_client,
 )
 from kvtier_async.api import TieredKVCache
+from kvtier_async.bench.s3server import MotoS3Server
 from kvtier_async.config import ConfigError, Section
 from kvtier_async.engine import Engine, Job, ThreadedEngine
 from kvtier_async.ledger import JobKind
 from kvtier_async.memory import SharedRegion
-from kvtier_async.testing.s3server import MotoS3Server
 from kvtier_async.tiers.base import TierContext, make_tier
 from kvtier_async.tiers.s3 import (
     AccessDeniedError,

@@ -39,7 +39,6 @@ from typing import Any
 
 import anyio
 import numpy as np
-import numpy.typing as npt
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvtier_async._log import get_logger
@@ -57,14 +56,13 @@ from kvtier_async.ledger import (
 from kvtier_async.ledger.tiering import StorePolicy, TierTask
 from kvtier_async.memory import SharedRegion, close_region
 from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics, make_tier
+from kvtier_async.transfer.blocks import BlockCopier, DeviceBlock
+from kvtier_async.transfer.plan import HostSlots
 
 __all__ = ["CacheConfig", "CacheRequest", "CacheStats", "StoreResult", "TieredKVCache"]
 
 log = get_logger(__name__)
-Bytes = npt.NDArray[np.uint8]
 
-_COPY_CHUNK = 4 << 20  # a device copy checks for cancellation after this many bytes
-_INLINE_COPY_BYTES = 256 << 10  # host-memory copies up to this size run in the loop
 _LET_GO_S = 30.0  # how long a cancelled call waits for its copy to stop touching its blocks
 
 
@@ -171,12 +169,12 @@ class TieredKVCache:
     def __init__(self, config: CacheConfig | Mapping[str, Any]) -> None:
         self.config = config if isinstance(config, CacheConfig) else CacheConfig.from_dict(config)
         self._region: SharedRegion | None = None
-        self._slots: Bytes | None = None
+        self._blocks: BlockCopier | None = None  # the device lane's data path
         self._engine: Engine | None = None
+        self._tiers: list[SecondaryTier] = []
         self._ledger: TieringLedger | None = None
         self._progress = anyio.Event()
         self._lookups = self._lookup_hits = 0
-        self._inline_copy_bytes = _INLINE_COPY_BYTES
         self._listeners: list[MemoryObjectSendStream[KVEvent]] = []
         self._events_dropped = 0
 
@@ -184,20 +182,13 @@ class TieredKVCache:
 
     async def __aenter__(self) -> TieredKVCache:
         cfg = self.config
-        region = await anyio.to_thread.run_sync(
-            functools.partial(
-                SharedRegion,
-                cfg.instance_id,
-                cfg.num_slots,
-                cfg.block_bytes,
-                directory=cfg.region_dir,
-            )
-        )
-        self._region, self._slots = region, region.numpy()
+        region = await anyio.to_thread.run_sync(_open_region, cfg)
+        self._region = region
         ctx = TierContext(
             block_bytes=region.row_bytes, model=cfg.model, instance_id=cfg.instance_id
         )
         try:
+            self._blocks = BlockCopier(HostSlots.from_region(region), cfg.block_bytes)
             tiers = [
                 make_tier(t, ctx, f"secondary_tiers[{i}]")
                 for i, t in enumerate(cfg.secondary_tiers)
@@ -220,7 +211,7 @@ class TieredKVCache:
         except BaseException:
             await self._close_region()
             raise
-        self._engine = engine
+        self._engine, self._tiers = engine, tiers
         return self
 
     async def __aexit__(
@@ -239,7 +230,7 @@ class TieredKVCache:
                 if drained.cancelled_caught:
                     _log_abandoned(engine, self.config.close_timeout_s)
         finally:
-            self._engine = None
+            self._engine, self._tiers = None, []
             try:
                 if engine is not None:  # always: its task group was entered in this task
                     await engine.__aexit__(exc_type, exc, tb)
@@ -247,9 +238,13 @@ class TieredKVCache:
                 await self._close_region()
 
     async def _close_region(self) -> None:
-        region, self._region, self._slots = self._region, None, None
-        if region is not None:
-            with anyio.CancelScope(shield=True):
+        region, self._region = self._region, None
+        blocks, self._blocks = self._blocks, None
+        with anyio.CancelScope(shield=True):
+            if blocks is not None:  # first: it holds a view of the region
+                await anyio.to_thread.run_sync(blocks.close)
+                del blocks
+            if region is not None:
                 await anyio.to_thread.run_sync(close_region, region)
 
     def _block_view(self, slot: int) -> memoryview:
@@ -274,7 +269,8 @@ class TieredKVCache:
 
     @property
     def tiers(self) -> list[SecondaryTier]:
-        return self.engine.tiers
+        self._require_open()
+        return self._tiers
 
     # --- lookup ------------------------------------------------------------------------
 
@@ -455,8 +451,9 @@ class TieredKVCache:
 
         The job holds views of the caller's blocks: when the caller is cancelled, the job is
         cancelled and awaited (shielded) before the cancellation goes on, so nothing of ours
-        reads or writes the caller's memory once the call has returned. A copy checks for
-        cancellation every `_COPY_CHUNK` bytes, so this wait is short."""
+        reads or writes the caller's memory once the call has returned. A host copy checks
+        for cancellation between pieces of a few MiB and a device copy is one short DMA
+        (`kvtier_async.transfer.blocks`), so this wait is short."""
         try:
             handle = await self.engine.submit(job)
         except BaseException:
@@ -489,46 +486,12 @@ class TieredKVCache:
         ]
 
     async def _copy(self, job: Job) -> tuple[Sequence[bool], int]:
+        """Run a store or load with the transfer path (`BlockCopier`): the plan copiers the
+        vLLM worker's handlers use too."""
         slot_ids, views = job.payload
-        to_cpu = job.kind is JobKind.STORE
-        nbytes = len(views) * self.config.block_bytes
-        if nbytes <= self._inline_copy_bytes and all(isinstance(v, np.ndarray) for v in views):
-            # Host memory, a few microseconds of memcpy: a thread hop would cost more.
-            self._copy_blocks(slot_ids, views, to_cpu, inline=True)
-        else:
-            await anyio.to_thread.run_sync(self._copy_blocks, slot_ids, views, to_cpu)
+        assert self._blocks is not None
+        nbytes = await self._blocks.copy(slot_ids, views, to_host=job.kind is JobKind.STORE)
         return (True,) * len(views), nbytes
-
-    def _copy_blocks(
-        self, slot_ids: Sequence[int], views: list[Any], to_cpu: bool, *, inline: bool = False
-    ) -> None:
-        """Copy in a worker thread, `_COPY_CHUNK` bytes at a time, stopping at the first
-        chunk boundary after the job was cancelled (see `_run`); ``inline``: a small copy
-        in the loop's thread, which nothing can interrupt."""
-        slots = self._slots
-        assert slots is not None
-        if not all(isinstance(view, np.ndarray) for view in views):
-            import torch  # device tensors among the blocks; imported once per job
-        since_check = 0
-        for slot, view in zip(slot_ids, views):
-            row = slots[slot]
-            for start in range(0, len(row), _COPY_CHUNK):
-                if since_check >= _COPY_CHUNK and not inline:
-                    anyio.from_thread.check_cancelled()
-                    since_check = 0
-                end = min(start + _COPY_CHUNK, len(row))
-                if isinstance(view, np.ndarray):
-                    if to_cpu:
-                        row[start:end] = view[start:end]
-                    else:
-                        view[start:end] = row[start:end]
-                else:  # a device tensor
-                    part = torch.from_numpy(row[start:end])
-                    if to_cpu:
-                        part.copy_(view[start:end])
-                    else:
-                        view[start:end].copy_(part)
-                since_check += end - start
 
     # --- state -------------------------------------------------------------------------
 
@@ -587,6 +550,18 @@ def _check_keys(keys: object) -> None:
             )
 
 
+def _open_region(cfg: CacheConfig) -> SharedRegion:
+    """The CPU tier's region, pinned for DMA when CUDA is present (a no-op without; a failed
+    registration is logged and copies use pageable memory)."""
+    region = SharedRegion(cfg.instance_id, cfg.num_slots, cfg.block_bytes, directory=cfg.region_dir)
+    try:
+        region.register_cuda()
+    except BaseException:
+        close_region(region)
+        raise
+    return region
+
+
 def _log_abandoned(engine: Engine, waited_s: float) -> None:
     lanes = {
         lane.name: lane.running + lane.queued_reads + lane.queued_writes
@@ -602,7 +577,8 @@ def _log_abandoned(engine: Engine, waited_s: float) -> None:
 
 
 def _as_bytes(block: Any, block_bytes: int, index: int, writable: bool) -> Any:
-    """A zero-copy flat uint8 view of one block (numpy for host memory, torch for devices)."""
+    """A zero-copy flat uint8 view of one block: numpy for host memory, a `DeviceBlock` (the
+    tensor and the caller's current stream) for a CUDA tensor."""
     if hasattr(block, "data_ptr") and hasattr(block, "is_cuda"):
         return _tensor_bytes(block, block_bytes, index)
     try:
@@ -629,7 +605,13 @@ def _tensor_bytes(tensor: Any, block_bytes: int, index: int) -> Any:
     flat = tensor.reshape(-1).view(torch.uint8)
     if flat.numel() != block_bytes:
         raise ValueError(f"blocks[{index}] has {flat.numel()} bytes, block_bytes is {block_bytes}")
-    return flat.numpy() if flat.device.type == "cpu" else flat
+    if flat.device.type == "cpu":
+        return flat.numpy()
+    if flat.device.type != "cuda":
+        raise ValueError(
+            f"blocks[{index}] is on {flat.device}: blocks must be in CPU memory or on a CUDA device"
+        )
+    return DeviceBlock.of(flat)
 
 
 class CacheRequest:

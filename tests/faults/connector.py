@@ -1,6 +1,6 @@
 """The vLLM connector in vLLM 0.33's real Scheduler with its secondary tier failing mid-run.
 
-`kvtier_async.testing.vllm_sim`'s harness runs the real Scheduler and a fake model whose K/V
+`kvtier_async.bench.vllm_kit`'s harness runs the real Scheduler and a fake model whose K/V
 bytes are known per token prefix: its attention checks every byte of context it reads (cache
 hits and loads alike) and raises `KVMismatch` on the first wrong one. Our connector has a
 CPU tier of 8 blocks and one secondary tier, so blocks are cascaded and promoted all the time.
@@ -37,8 +37,8 @@ from typing import Any
 from faults._common import DISK, Calls, Row, fs_tier, guard, private_dir
 from faults._net import DelayProxy
 from faults.s3_outage import RECOVERY_BOUND_S, Outage, Refused, SilentPort, WritesHang
+from kvtier_async.bench.s3server import MotoS3Server
 from kvtier_async.ledger import JobKind
-from kvtier_async.testing.s3server import MotoS3Server
 
 BOUND_S = 2.0  # a step waits on no tier: bookkeeping and the fake model, on a busy 2-core box
 CLOSE_BOUND_S = 5.0  # shutdown: the tier engine's close, its tier's close within timeout_s

@@ -30,7 +30,7 @@ from faults._common import (
     keys_of,
     store,
 )
-from kvtier_async.testing.s3server import MotoS3Server
+from kvtier_async.bench.s3server import MotoS3Server
 from kvtier_async.tiers.fs import HEADER_BYTES
 from kvtier_async.tiers.s3 import S3Tier
 from test_tier_fs import _craft

@@ -51,7 +51,7 @@ from faults._common import (
     store,
 )
 from faults._net import DelayProxy
-from kvtier_async.testing.s3server import MotoS3Server
+from kvtier_async.bench.s3server import MotoS3Server
 from kvtier_async.tiers.s3 import DEFAULT_BREAKER_OPEN_S
 
 BLOCK = 16 << 10

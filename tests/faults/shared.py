@@ -32,7 +32,7 @@ from faults._common import (
     keys_of,
 )
 from faults._common import private_dir as make_dir
-from kvtier_async.testing.s3server import MotoS3Server
+from kvtier_async.bench.s3server import MotoS3Server
 
 BLOCK = 64 << 10
 BATCH = 8

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvtier_async.ledger import LookupResult, PrimaryLedger, make_offload_key
+from kvtier_async.ledger import LookupResult, PrimaryLedger, prefix_keys
 
 from .report import BenchRecord, throughput_record
 
@@ -161,12 +161,12 @@ SWEEP_TRACES: dict[str, Callable[[int], Trace]] = {
 
 
 def _chain(name: str, n: int, parent: bytes = b"") -> list[bytes]:
-    keys: list[bytes] = []
-    h = hashlib.sha256(parent + name.encode()).digest()
-    for i in range(n):
-        h = hashlib.sha256(h + i.to_bytes(4, "big")).digest()
-        keys.append(make_offload_key(h, 0))
-    return keys
+    """``n`` block keys by the public chain (`prefix_keys`), continuing ``parent`` if given:
+    block ``i`` holds the two tokens ``(tag, i)``, ``tag`` a 56-bit digest of ``name``, so
+    chains of different names (or parents) share no key."""
+    tag = int.from_bytes(hashlib.sha256(name.encode()).digest()[:7], "big")
+    tokens = [token for i in range(n) for token in (tag, i)]
+    return prefix_keys(tokens, block_tokens=2, parent=parent or None)
 
 
 class _Driver(Protocol):

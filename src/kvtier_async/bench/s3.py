@@ -6,7 +6,7 @@ the same server, at the same concurrency, with the same client settings (timeout
 size, no botocore retries, no SDK checksums). The tier does its part on top: a header page
 with checksums on every PUT, a conditional PUT (``If-None-Match: *``), streaming each GET into
 a page-aligned slot and verifying it; raw aioboto3 sends ``bytes`` and reads the body into
-``bytes``. The server runs in a child process (moto needs the ``test`` extra), so it does
+``bytes``. The server runs in a child process (moto comes with the ``bench`` extra), so it does
 not share the client's GIL; moto is slow, so the bytes are modest. Its speed drifts and
 jitters, and the machine may be shared, so both sides run in many short alternating rounds
 (each: PUT every block, then GET it, raw and ours taking turns at going first; then the
@@ -67,10 +67,10 @@ class _Side:
 def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRecord]:
     """PUT and GET MB/s for each block size, ours against raw aioboto3."""
     try:
-        from kvtier_async.testing.s3server import MotoS3Server
+        from kvtier_async.bench.s3server import MotoS3Server
     except ImportError as exc:  # pragma: no cover - the test extra is missing
         raise RuntimeError(
-            "bench s3 needs moto[server] (pip install 'kvtier-async[test]')"
+            "bench s3 needs moto[server] (pip install 'kvtier-async[bench]')"
         ) from exc
     note = progress or (lambda _: None)
     with MotoS3Server(in_process=False) as server:

@@ -168,7 +168,7 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
     _quiet_vllm()
     trace = make_trace(QUICK_REQUESTS if quick else NUM_REQUESTS)
     repeats = 1 if quick else REPEATS
-    sim = importlib.import_module("kvtier_async.testing.vllm_sim")
+    sim = importlib.import_module("kvtier_async.bench.vllm_kit")
     ours = _find_ours()
     if ours is None:
         say(f"sched: ours skipped: no {OUR_CONNECTOR[0]} in {' or '.join(OUR_CONNECTOR[1])}")

@@ -1,5 +1,6 @@
 """The async runtime: jobs with awaitable handles, bounded lanes, and the engine that owns them."""
 
+from .backend import TierBackend
 from .engine import Engine, EngineClosed
 from .jobs import CancelledJobError, Job, JobCancelled, JobError, JobHandle, JobResult
 from .lane import Executor, Lane, LaneStatistics
@@ -19,4 +20,5 @@ __all__ = [
     "Lane",
     "LaneStatistics",
     "ThreadedEngine",
+    "TierBackend",
 ]

@@ -7,8 +7,9 @@ abandon threads), every queued job ends as cancelled, and each result's ``on_don
 the ledger's owner releases every pin and reservation. Call `drain` first for a graceful
 close that lets the work in flight finish.
 
-The engine never touches a ledger. It runs jobs and hands each `JobResult` to the job's
-``on_done`` callback, in the event loop's thread.
+Tiers are `TierBackend`s (every `kvtier_async.tiers` tier is one): the engine never
+imports the tiers package. The engine never touches a ledger. It runs jobs and hands each
+`JobResult` to the job's ``on_done`` callback, in the event loop's thread.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from types import TracebackType
 import anyio
 
 from kvtier_async._log import get_logger
-from kvtier_async.tiers.base import SecondaryTier
 
+from .backend import TierBackend
 from .jobs import Job, JobHandle, JobKind, JobResult
 from .lane import Executor, Lane, LaneStatistics
 
@@ -42,7 +43,7 @@ class Engine:
 
     def __init__(
         self,
-        tiers: Sequence[SecondaryTier],
+        tiers: Sequence[TierBackend],
         block_view: BlockView,
         *,
         device: Executor | None = None,
@@ -136,7 +137,7 @@ class Engine:
 
     # --- executors ---------------------------------------------------------------------
 
-    def _tier_io(self, tier: SecondaryTier) -> Executor:
+    def _tier_io(self, tier: TierBackend) -> Executor:
         async def run(job: Job) -> tuple[Sequence[bool], int]:
             blocks = [self._block_view(int(slot)) for slot in job.payload]
             if job.kind is JobKind.PROMOTE:
@@ -148,7 +149,7 @@ class Engine:
         return run
 
     @staticmethod
-    def _tier_lookup(tier: SecondaryTier) -> Executor:
+    def _tier_lookup(tier: TierBackend) -> Executor:
         async def run(job: Job) -> tuple[Sequence[bool], int]:
             return await tier.lookup(job.keys), 0
 

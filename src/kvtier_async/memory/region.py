@@ -79,11 +79,12 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import numpy.typing as npt
 
+from kvtier_async._cudart import runtime
 from kvtier_async._log import get_logger
 from kvtier_async.memory._owner import (
     OwnerRecord,
@@ -324,7 +325,7 @@ class SharedRegion:
         self._mapping()
         if self._cuda_registered:
             return True
-        cudart = _cudart()
+        cudart = runtime()
         if cudart is None:
             return False
         code = int(cudart.cudaHostRegister(self._address, self._size, 0))
@@ -342,7 +343,7 @@ class SharedRegion:
         if not self._cuda_registered:
             return
         self._cuda_registered = False
-        cudart = _cudart()
+        cudart = runtime()
         code = -1 if cudart is None else int(cudart.cudaHostUnregister(self._address))
         if code != 0:
             log.warning("cudaHostUnregister failed", path=str(self._path), code=code)
@@ -832,21 +833,6 @@ def _check_zero_copy(what: str, actual: int, expected: int) -> None:
             f"{what} made a copy (data at {actual:#x}, mapping at {expected:#x}); "
             "tiers require zero-copy access to the shared region"
         )
-
-
-def _cudart() -> Any:
-    """torch's CUDA runtime module, or None without CUDA (torch absent or no device)."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    try:
-        return torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    except (AssertionError, RuntimeError) as exc:
-        log.warning("CUDA runtime unavailable; region stays pageable", error=str(exc))
-        return None
 
 
 def _round_up(value: int, multiple: int) -> int:

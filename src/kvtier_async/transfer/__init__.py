@@ -1,11 +1,14 @@
-"""Worker-side data movement: canonical KV views, copy plans, handlers, the event bridge.
+"""Data movement between devices and the CPU tier: KV views, copy plans, copiers, handlers.
 
 `canonicalize` views any attention backend's KV caches as byte pages per block;
 `TransferRouter` moves a (GPUSpec, CPUSpec) pair between those pages and the CPU tier's
-slots with the handler for the pair's media; `EventBridge` wakes the awaiting job when a
-device copy completes.
+slots with the handler for the pair's media (the vLLM worker's path); `BlockCopier` moves
+whole caller blocks (the async API's path). Both plan byte copies (`CopyPlan`) and run them
+with the same plan copiers (`HostPlanCopier`, `CudaPlanCopier`); `EventBridge` wakes the
+awaiting job when a device copy completes.
 """
 
+from .blocks import BlockCopier, DeviceBlock
 from .bridge import (
     BridgeClosedError,
     BridgeStatistics,
@@ -21,6 +24,7 @@ from .canonical import (
     SlotLayout,
     canonicalize,
 )
+from .copier import CudaPlanCopier, HostPlanCopier
 from .handlers import (
     CudaCopyHandler,
     HostCopyHandler,
@@ -32,6 +36,7 @@ from .handlers import (
 from .plan import CopyPlan, HostSlots, plan_transfer
 
 __all__ = [
+    "BlockCopier",
     "BridgeClosedError",
     "BridgeStatistics",
     "BridgeStrategy",
@@ -42,8 +47,11 @@ __all__ = [
     "CompletionEvent",
     "CopyPlan",
     "CudaCopyHandler",
+    "CudaPlanCopier",
+    "DeviceBlock",
     "EventBridge",
     "HostCopyHandler",
+    "HostPlanCopier",
     "HostSlots",
     "SlotLayout",
     "TransferError",

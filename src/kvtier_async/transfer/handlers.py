@@ -9,26 +9,25 @@ back. The "GPU" side is whatever device the canonical KV views live on: CUDA mem
 production, CPU tensors where there is no GPU (tests, CPU-only runs). The handler kind is
 chosen once, at construction, from that device:
 
+Handlers plan; the copy itself is run by a plan copier (`kvtier_async.transfer.copier`), the
+same code that moves the async API's blocks (`kvtier_async.transfer.blocks`):
+
 `HostCopyHandler` (device caches in CPU memory)
-    Plans the copy (`plan_transfer`) and runs the batch copy
-    (`kvtier_async.transfer.hostcopy`, which joins contiguous runs) in a worker thread
-    with ``anyio.to_thread.run_sync``, so the loop stays free and the GIL is released
-    during the copy. Cancelling the job does not abandon the thread: the awaiting task
-    returns (raising the cancellation) only after the copy has finished, so no copy ever
-    writes after its job reported done.
+    Plans the copy (`plan_transfer`) and runs it with a `HostPlanCopier` (the batch copy,
+    which joins contiguous runs) in a worker thread with ``anyio.to_thread.run_sync``, so
+    the loop stays free and the GIL is released during the copy. Cancelling the job does not
+    abandon the thread: the awaiting task returns (raising the cancellation) only after the
+    copy has finished, so no copy ever writes after its job reported done.
 `CudaCopyHandler`
-    Each transfer borrows a stream and a start/end event pair from the handler's pools.
-    The stream first waits on the compute stream (a store must not read KV the forward
-    pass is still writing; a load must not race pending writes to its blocks) and on the
-    previous transfer's end event (transfers run in submission order). The copy path is
-    chosen once, at construction: when every page is smaller than ``triton_threshold``
-    (28 KiB by default) and 8-byte aligned and the host slots are pinned, a batch is one
-    launch of the Triton swap-blocks kernel (`kernels.swap_blocks`; batches of fewer than
-    ``MIN_JOBS`` runs still use the copy engine); otherwise the copy engine moves it, one
-    ``cudaMemcpyAsync`` per merged run (through ctypes on torch's CUDA runtime, after a
-    self-test; else ``Tensor.copy_(non_blocking=True)`` on views). Completion is the end event,
-    awaited through the `EventBridge`; a cancelled job waits for the end event (shielded)
-    before it re-raises.
+    Runs its plans with a `CudaPlanCopier`: pooled side streams that wait on the compute
+    stream and on the previous transfer, completion through the `EventBridge`, a cancelled
+    job waiting (shielded) for its end event before it re-raises. The copy path is chosen
+    once, at construction: when every page is smaller than ``triton_threshold`` (28 KiB by
+    default) and 8-byte aligned and the host slots are pinned, a batch is one launch of the
+    Triton swap-blocks kernel (`kernels.swap_blocks`; batches of fewer than ``MIN_JOBS`` runs
+    still use the copy engine); otherwise the copy engine moves it, one ``cudaMemcpyAsync``
+    per merged run (through ctypes on torch's CUDA runtime, after a self-test; else
+    ``Tensor.copy_(non_blocking=True)`` on views).
 
 Every handler offers ``await transfer(src, dst)`` and a synchronous ``execute(src, dst)``
 for worker threads (the sync vLLM face). Both return a `TransferResult` (bytes moved,
@@ -43,24 +42,26 @@ starts a transfer when asked.
 
 from __future__ import annotations
 
-import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 import anyio
 import anyio.lowlevel
-import numpy as np
 
 from kvtier_async._log import get_logger
 from kvtier_async.ledger import CPUSpec, GPUSpec, Medium
 
-from ._cudart import memcpy_async
 from .bridge import BridgeStrategy, EventBridge
 from .canonical import CanonicalKV, SlotLayout
-from .hostcopy import BatchCopier, batch_copier, copier_name, merges_runs
+from .copier import (
+    CudaPlanCopier,
+    DeviceStorages,
+    HostPlanCopier,
+    TransferError,
+    TransferResult,
+)
+from .hostcopy import BatchCopier
 from .plan import CopyPlan, HostSlots, plan_transfer
 
 if TYPE_CHECKING:
@@ -80,22 +81,6 @@ __all__ = [
 log = get_logger(__name__)
 
 DEFAULT_TRITON_THRESHOLD: Final = 28 * 1024
-# Plans with more runs than this are enqueued from a worker thread (each copy-engine run
-# costs several microseconds of Python and driver time, which the loop should not pay).
-_INLINE_MAX_RUNS: Final = 64
-
-
-@dataclass(frozen=True, slots=True)
-class TransferResult:
-    """A finished transfer: ``bytes`` moved, ``seconds`` the copy itself took."""
-
-    bytes: int
-    seconds: float
-
-
-class TransferError(RuntimeError):
-    """A copy failed (device error, memory fault reported by the driver)."""
-
 
 Spec = GPUSpec | CPUSpec
 
@@ -183,12 +168,11 @@ class HostCopyHandler(TransferHandler):
         if kv.device.type != "cpu":
             raise ValueError(f"HostCopyHandler needs CPU tensors, the KV caches are on {kv.device}")
         super().__init__(kv, host, block_size_factor=block_size_factor, to_host=to_host)
-        self._copier = copier or batch_copier()
-        self._merge = not merges_runs(self._copier)
+        self._copier = HostPlanCopier(copier)
 
     @property
     def copier_name(self) -> str:
-        return copier_name(self._copier)
+        return self._copier.name
 
     async def transfer(self, src: Spec, dst: Spec) -> TransferResult:
         # Planning and copying both run in the worker thread. Not abandon_on_cancel: a
@@ -199,25 +183,7 @@ class HostCopyHandler(TransferHandler):
         return result
 
     def execute(self, src: Spec, dst: Spec) -> TransferResult:
-        return self._run(self._copy_plan(src, dst))
-
-    def _copy_plan(self, src: Spec, dst: Spec) -> CopyPlan:
-        plan = self._plan(src, dst)
-        return plan.merged() if self._merge else plan  # the native copy joins runs itself
-
-    def _run(self, plan: CopyPlan) -> TransferResult:
-        started = time.perf_counter()
-        self._copier(plan)
-        return TransferResult(plan.total_bytes, time.perf_counter() - started)
-
-
-@dataclass(eq=False)
-class _InFlight:
-    stream: Any
-    start: Any
-    end: Any
-    num_bytes: int
-    keepalive: object  # what the device may still read (a pinned descriptor table)
+        return self._copier.run(self._plan(src, dst))
 
 
 class CudaCopyHandler(TransferHandler):
@@ -248,80 +214,54 @@ class CudaCopyHandler(TransferHandler):
         triton_threshold: int = DEFAULT_TRITON_THRESHOLD,
         use_cudart: bool = True,
     ) -> None:
-        import torch
-
         if kv.device.type != "cuda":
             raise ValueError(
                 f"CudaCopyHandler needs CUDA tensors, the KV caches are on {kv.device}"
             )
         super().__init__(kv, host, block_size_factor=block_size_factor, to_host=to_host)
         self._device = kv.device
-        self._bridge = bridge
-        self._compute = compute_stream or torch.cuda.current_stream(self._device)
-        self._host_flat: torch.Tensor | None = host.flat()
-        self._storages = _DeviceStorages(kv)
-        self._use_triton = self._choose_triton(use_triton, triton_threshold)
-        self._memcpy = memcpy_async() if use_cudart else None
-        self._streams: list[torch.cuda.Stream] = []
-        self._events: list[torch.cuda.Event] = []
-        self._last_end: torch.cuda.Event | None = None
-        self._lock = threading.Lock()
+        self._copier = CudaPlanCopier(
+            kv.device,
+            host,
+            to_host=to_host,
+            bridge=bridge,
+            compute_stream=compute_stream,
+            use_triton=self._choose_triton(use_triton, triton_threshold),
+            use_cudart=use_cudart,
+            storages=DeviceStorages([view.tensor for view in kv.views]),
+        )
         log.debug(
             "cuda copy handler ready",
             direction="D2H" if to_host else "H2D",
             device=str(self._device),
-            triton=self._use_triton,
-            cudart_memcpy=self._memcpy is not None,
+            triton=self._copier.uses_triton,
+            copy_engine=self._copier.copy_engine_path,
             pinned=host.pinned,
         )
 
     @property
+    def copier(self) -> CudaPlanCopier:
+        return self._copier
+
+    @property
     def uses_triton(self) -> bool:
-        return self._use_triton
+        return self._copier.uses_triton
 
     @property
     def copy_engine_path(self) -> str:
         """How copy-engine runs are issued: ``cudaMemcpyAsync`` or ``torch copy_``."""
-        return "cudaMemcpyAsync" if self._memcpy is not None else "torch copy_"
+        return self._copier.copy_engine_path
 
     async def transfer(self, src: Spec, dst: Spec) -> TransferResult:
-        plan = self.plan(src, dst)
-        if len(plan) <= _INLINE_MAX_RUNS or self._use_triton:
-            flight = self._submit(plan)
-        else:
-            with anyio.CancelScope(shield=True):  # what is enqueued must be awaited below
-                flight = await anyio.to_thread.run_sync(self._submit, plan)
-        try:
-            await self._bridge.wait(flight.end)
-        except anyio.get_cancelled_exc_class():
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(flight.end.synchronize)
-            self._recycle(flight)
-            raise
-        except Exception as exc:
-            raise TransferError(f"transfer failed on {self._device}: {exc}") from exc
-        return self._finish(flight)
+        return await self._copier.transfer(self.plan(src, dst))
 
     def execute(self, src: Spec, dst: Spec) -> TransferResult:
-        flight = self._submit(self.plan(src, dst))
-        try:
-            flight.end.synchronize()
-        except Exception as exc:
-            raise TransferError(f"transfer failed on {self._device}: {exc}") from exc
-        return self._finish(flight)
+        return self._copier.execute(self.plan(src, dst))
 
     def close(self) -> None:
         """Wait for the last transfer, then release streams, events and host memory."""
-        with self._lock:
-            if self._last_end is not None:
-                self._last_end.synchronize()
-            self._last_end = None
-            self._streams.clear()
-            self._events.clear()
-            self._host_flat = None
+        self._copier.close()
         super().close()
-
-    # -- internals --------------------------------------------------------------------
 
     def _choose_triton(self, use_triton: bool | None, threshold: int) -> bool:
         from kernels.swap_blocks import triton_available
@@ -337,107 +277,6 @@ class CudaCopyHandler(TransferHandler):
                 f"(pinned={host.pinned}, triton={triton_available()}, aligned={aligned})"
             )
         return use_triton
-
-    def _submit(self, plan: CopyPlan) -> _InFlight:
-        import torch
-
-        with self._lock:
-            stream = self._streams.pop() if self._streams else _new_stream(self._device)
-            start = self._events.pop() if self._events else _new_event()
-            end = self._events.pop() if self._events else _new_event()
-            stream.wait_stream(self._compute)
-            if self._last_end is not None:
-                stream.wait_event(self._last_end)
-            with torch.cuda.device(self._device), torch.cuda.stream(stream):
-                start.record(stream)
-                try:
-                    keepalive = self._enqueue(plan, stream)
-                except Exception as exc:
-                    end.record(stream)
-                    self._last_end = end
-                    end.synchronize()  # nothing enqueued may outlive the failed job
-                    raise TransferError(f"could not enqueue a transfer: {exc}") from exc
-                end.record(stream)
-                self._last_end = end
-        return _InFlight(stream, start, end, plan.total_bytes, keepalive)
-
-    def _enqueue(self, plan: CopyPlan, stream: torch.cuda.Stream) -> object:
-        from kernels.swap_blocks import MIN_JOBS, build_descriptors, launch_swap_blocks
-
-        if self._use_triton and len(plan) >= MIN_JOBS:
-            table = build_descriptors(plan.src, plan.dst, plan.size, pin_memory=True)
-            launch_swap_blocks(table, max_size=plan.max_size, device=self._device)
-            return table
-        if self._memcpy is not None:
-            memcpy, handle = self._memcpy, int(stream.cuda_stream)
-            runs = zip(plan.dst.tolist(), plan.src.tolist(), plan.size.tolist(), strict=True)
-            for dst, src, nbytes in runs:
-                memcpy(dst, src, nbytes, handle)
-        else:
-            self._torch_copies(plan)
-        return None
-
-    def _torch_copies(self, plan: CopyPlan) -> None:
-        host_flat = self._host_flat
-        host = self._live_host()
-        if host_flat is None:
-            raise RuntimeError("CudaCopyHandler is closed")
-        dev_addr, host_addr = (plan.src, plan.dst) if self._to_host else (plan.dst, plan.src)
-        which, dev_off = self._storages.locate(dev_addr)
-        host_off = (host_addr - host.address).tolist()
-        flats = self._storages.flats
-        runs = zip(which.tolist(), dev_off.tolist(), host_off, plan.size.tolist(), strict=True)
-        for index, d, h, n in runs:
-            device_bytes = flats[index][d : d + n]
-            host_bytes = host_flat[h : h + n]
-            if self._to_host:
-                host_bytes.copy_(device_bytes, non_blocking=True)
-            else:
-                device_bytes.copy_(host_bytes, non_blocking=True)
-
-    def _finish(self, flight: _InFlight) -> TransferResult:
-        seconds = flight.start.elapsed_time(flight.end) / 1e3
-        self._recycle(flight)
-        return TransferResult(flight.num_bytes, seconds)
-
-    def _recycle(self, flight: _InFlight) -> None:
-        with self._lock:
-            self._streams.append(flight.stream)
-            self._events.extend((flight.start, flight.end))
-
-
-class _DeviceStorages:
-    """The device allocations behind the views, as flat uint8 tensors, by address."""
-
-    def __init__(self, kv: CanonicalKV) -> None:
-        import torch
-
-        by_base: dict[int, torch.Tensor] = {}
-        for view in kv.views:
-            storage = view.tensor.untyped_storage()
-            base = int(storage.data_ptr())
-            if base not in by_base:
-                by_base[base] = torch.empty(0, dtype=torch.uint8, device=view.device).set_(
-                    storage, 0, (storage.nbytes(),), (1,)
-                )
-        self.bases = np.asarray(sorted(by_base), dtype=np.int64)
-        self.flats = [by_base[int(base)] for base in self.bases]
-
-    def locate(self, addresses: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], Any]:
-        which = np.searchsorted(self.bases, addresses, side="right") - 1
-        return which, addresses - self.bases[which]
-
-
-def _new_stream(device: torch.device) -> torch.cuda.Stream:
-    import torch
-
-    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-
-
-def _new_event() -> torch.cuda.Event:
-    import torch
-
-    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
 
 def _all_aligned(kv: CanonicalKV, layout: SlotLayout, host: HostSlots) -> bool:

@@ -1,4 +1,8 @@
-"""A moto S3 server on 127.0.0.1 for tests, demos and benchmarks (needs ``moto[server]``).
+"""A moto S3 server on 127.0.0.1 for benchmarks and tests (``moto[server]``: the ``bench`` extra).
+
+``kvtier bench s3`` measures the obj tier against it, so it ships with the benchmarks; the
+test suite and the fault suite (``tests/faults``) start theirs from here too. The engine never
+imports it.
 
 `MotoS3Server` serves moto's S3 (and IAM, for access tests) over real HTTP on a loopback port:
 

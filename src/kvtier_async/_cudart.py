@@ -1,4 +1,12 @@
-"""``cudaMemcpyAsync`` through ctypes, on the CUDA runtime library torch has loaded.
+"""The CUDA runtime, found once for the whole package: torch's bindings and its library.
+
+Two ways in, both onto the runtime torch itself uses (so streams, contexts and pinned
+allocations are torch's own), and nothing else in the package loads the runtime:
+
+- `runtime`: torch's ``torch.cuda.cudart()`` bindings, or None without CUDA. The shared CPU
+  region pins itself with its ``cudaHostRegister`` (`kvtier_async.memory.region`).
+- `memcpy_async`: ``cudaMemcpyAsync`` through ctypes on the ``libcudart`` already mapped into
+  the process (`loaded_library_path`), for the transfer handlers' copy-engine path.
 
 The copy-engine path issues one copy per merged run. Through torch each costs two tensor
 slices and a ``copy_`` dispatch, several microseconds of Python, which at 256 KiB pages is
@@ -8,21 +16,22 @@ direct ``cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, stream)`` costs one cty
 The library is the one already mapped into the process (found in ``/proc/self/maps``), so
 streams and device contexts are torch's own. It is used only after a self-test (a copy
 each way on a fresh stream, checked byte for byte); any doubt falls back to torch's
-``copy_`` (`memcpy_async` returns None), and ``KVTIER_CUDART_MEMCPY=0`` forces that.
+``copy_`` (`memcpy_async` returns None), and ``KVTIER_CUDART_MEMCPY=0`` forces that (read by
+`kvtier_async._native.disabled`, the one parser of the opt-out switches).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from kvtier_async._log import get_logger
+from kvtier_async._native import disabled
 
-__all__ = ["MemcpyAsync", "memcpy_async"]
+__all__ = ["MemcpyAsync", "loaded_library_path", "memcpy_async", "runtime"]
 
 log = get_logger(__name__)
 
@@ -33,9 +42,9 @@ _CUDA_MEMCPY_DEFAULT: Final = 4  # cudaMemcpyDefault: direction from unified add
 @functools.cache
 def memcpy_async() -> MemcpyAsync | None:
     """A checked ``cudaMemcpyAsync``, or None when it cannot be had (use torch instead)."""
-    if os.environ.get("KVTIER_CUDART_MEMCPY", "1").strip().lower() in {"0", "false", "off"}:
+    if disabled("KVTIER_CUDART_MEMCPY"):
         return None
-    path = _loaded_cudart()
+    path = loaded_library_path()
     if path is None:
         log.info("CUDA runtime library not found among loaded libraries; using torch copies")
         return None
@@ -61,7 +70,23 @@ def memcpy_async() -> MemcpyAsync | None:
     return copy if _self_test(copy) else None
 
 
-def _loaded_cudart() -> str | None:
+def runtime() -> Any:
+    """torch's CUDA runtime bindings, or None without CUDA (torch absent or no device)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    except (AssertionError, RuntimeError) as exc:
+        log.warning("CUDA runtime unavailable", error=str(exc))
+        return None
+
+
+def loaded_library_path() -> str | None:
+    """The path of the ``libcudart`` mapped into this process, or None."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:

@@ -1,0 +1,385 @@
+"""Plan copiers: the one data path that runs a `CopyPlan` between device memory and host slots.
+
+Theory of operation
+-------------------
+Everything that moves KV bytes between a device and the CPU tier ends here: the transfer
+handlers (`kvtier_async.transfer.handlers`, the vLLM worker's path, which plan a copy from
+(GPU spec, CPU spec) pairs) and `BlockCopier` (`kvtier_async.transfer.blocks`, the async
+API's path, which plans whole caller blocks). A plan is raw (source, destination, size)
+triples; the copier that runs it is chosen by where the device memory lives:
+
+`HostPlanCopier` (both sides in CPU memory)
+    The batch copy (`kvtier_async.transfer.hostcopy`: native loop or ``ctypes.memmove``),
+    GIL released. `run` copies in the calling thread (a worker thread, or inline for a
+    small copy); `transfer` runs it in a worker thread with ``anyio.to_thread.run_sync``
+    and does not abandon the thread on cancellation: the awaiting task raises the
+    cancellation only after the copy stopped. With ``chunk_bytes`` the copy goes in pieces
+    of about that many bytes and checks for cancellation between them (a cancelled job stops
+    at the next boundary, so its wait is short); without, the plan is one batch.
+`CudaPlanCopier` (device memory on a CUDA device, host slots in the shared region)
+    Each transfer borrows a stream and a start/end event pair from pools. The stream first
+    waits on the compute streams (a store must not read KV the forward pass is still
+    writing; a load must not race pending writes to its blocks) and on the previous
+    transfer's end event (transfers run in submission order). With ``use_triton`` a batch of
+    at least ``MIN_JOBS`` runs is one launch of the Triton swap-blocks kernel
+    (`kernels.swap_blocks`); otherwise the copy engine moves it, one ``cudaMemcpyAsync`` per
+    run (through ctypes on torch's CUDA runtime, `kvtier_async._cudart`, after a self-test),
+    else ``Tensor.copy_(non_blocking=True)`` on views of the device allocations
+    (`DeviceStorages`). Completion is the end event, awaited through the `EventBridge`; a
+    cancelled transfer waits for the end event (shielded) before it re-raises, so nothing is
+    written after its job ended. A device copy is not split: the DMA of one job takes
+    milliseconds, and the wait for it is what a cancellation costs.
+
+Both return a `TransferResult` (bytes moved, seconds the copy took) or raise `TransferError`
+for a failed copy. Plans are trusted: their builders bound every address.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import numpy as np
+
+from kvtier_async._cudart import memcpy_async
+from kvtier_async._log import get_logger
+
+from .bridge import EventBridge
+from .hostcopy import BatchCopier, batch_copier, copier_name, merges_runs
+from .plan import CopyPlan, HostSlots
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "CudaPlanCopier",
+    "DeviceStorages",
+    "HostPlanCopier",
+    "TransferError",
+    "TransferResult",
+    "chunked",
+]
+
+log = get_logger(__name__)
+
+# Plans with more runs than this are enqueued from a worker thread (each copy-engine run
+# costs several microseconds of Python and driver time, which the loop should not pay).
+_INLINE_MAX_RUNS: Final = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """A finished transfer: ``bytes`` moved, ``seconds`` the copy itself took."""
+
+    bytes: int
+    seconds: float
+
+
+class TransferError(RuntimeError):
+    """A copy failed (device error, memory fault reported by the driver)."""
+
+
+def chunked(plan: CopyPlan, chunk_bytes: int) -> Iterator[CopyPlan]:
+    """``plan`` in consecutive pieces of about ``chunk_bytes`` bytes (a run longer than
+    that is split; a piece ends where a run crosses a multiple of ``chunk_bytes``)."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    if plan.total_bytes <= chunk_bytes:
+        yield plan
+        return
+    plan = _split_runs(plan, chunk_bytes)
+    piece = (np.cumsum(plan.size) - 1) // chunk_bytes
+    bounds = [0, *(np.flatnonzero(np.diff(piece)) + 1).tolist(), len(plan)]
+    for start, end in itertools.pairwise(bounds):
+        yield CopyPlan(plan.src[start:end], plan.dst[start:end], plan.size[start:end])
+
+
+def _split_runs(plan: CopyPlan, max_bytes: int) -> CopyPlan:
+    pieces = -(-plan.size // max_bytes)
+    if int(pieces.max()) <= 1:
+        return plan
+    run = np.repeat(np.arange(len(plan)), pieces)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    offset = (np.arange(len(run)) - first) * max_bytes
+    size = np.minimum(plan.size[run] - offset, max_bytes)
+    return CopyPlan(plan.src[run] + offset, plan.dst[run] + offset, size)
+
+
+class HostPlanCopier:
+    """Runs plans between CPU buffers (see the module docstring).
+
+    ``copier`` replaces the batch copy (tests use it to slow a copy down).
+    """
+
+    def __init__(self, copier: BatchCopier | None = None) -> None:
+        self._copier = copier or batch_copier()
+        self._merge = not merges_runs(self._copier)
+
+    @property
+    def name(self) -> str:
+        """``native`` or ``memmove``: the batch copy in use."""
+        return copier_name(self._copier)
+
+    def run(self, plan: CopyPlan, *, chunk_bytes: int | None = None) -> TransferResult:
+        """Copy ``plan`` in the calling thread. With ``chunk_bytes``, from an anyio worker
+        thread only: checks for the host task's cancellation between pieces."""
+        started = time.perf_counter()
+        if chunk_bytes is None:
+            self._copier(plan.merged() if self._merge else plan)
+        else:
+            for index, piece in enumerate(chunked(plan, chunk_bytes)):
+                if index:
+                    anyio.from_thread.check_cancelled()
+                self._copier(piece.merged() if self._merge else piece)
+        return TransferResult(plan.total_bytes, time.perf_counter() - started)
+
+    async def transfer(self, plan: CopyPlan, *, chunk_bytes: int | None = None) -> TransferResult:
+        """`run` in a worker thread; a cancelled job raises only once the copy stopped."""
+        # Not abandon_on_cancel: a cancelled job waits here until the copy has stopped,
+        # then raises the cancellation (on every backend) rather than returning a result.
+        result = await anyio.to_thread.run_sync(lambda: self.run(plan, chunk_bytes=chunk_bytes))
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return result
+
+
+class DeviceStorages:
+    """The device allocations behind some tensors, as flat uint8 tensors, by address (for
+    copies issued as ``Tensor.copy_`` on views rather than by address)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        import torch
+
+        by_base: dict[int, torch.Tensor] = {}
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            base = int(storage.data_ptr())
+            if base not in by_base:
+                by_base[base] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
+                    storage, 0, (storage.nbytes(),), (1,)
+                )
+        self.bases = np.asarray(sorted(by_base), dtype=np.int64)
+        self.flats = [by_base[int(base)] for base in self.bases]
+
+    def locate(self, addresses: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], Any]:
+        which = np.searchsorted(self.bases, addresses, side="right") - 1
+        return which, addresses - self.bases[which]
+
+
+@dataclass(eq=False)
+class _InFlight:
+    stream: Any
+    start: Any
+    end: Any
+    num_bytes: int
+    keepalive: object  # what the device may still read (a pinned descriptor table)
+
+
+class CudaPlanCopier:
+    """Runs plans between one CUDA device and pinned host slots on pooled side streams.
+
+    Args:
+        device: The CUDA device the plans' device addresses are on.
+        host: The host slots (their flat view serves ``Tensor.copy_`` copies).
+        to_host: The direction of every plan (device -> host for stores).
+        bridge: Wakes awaiting jobs when a transfer's end event completes.
+        compute_stream: The stream every transfer waits on by default; default: the current
+            stream of the constructing thread (vLLM builds the worker in its model-runner
+            thread).
+        use_triton: Launch the Triton kernel for plans of at least ``MIN_JOBS`` runs (the
+            caller checked that its pages qualify: pinned host, small aligned pages).
+        use_cudart: Issue copy-engine runs with ``cudaMemcpyAsync`` through ctypes (when
+            its self-test passes) rather than ``Tensor.copy_`` (several us per run more).
+        storages: The device allocations, for ``Tensor.copy_`` copies; may instead be given
+            per transfer.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        host: HostSlots,
+        *,
+        to_host: bool,
+        bridge: EventBridge,
+        compute_stream: torch.cuda.Stream | None = None,
+        use_triton: bool = False,
+        use_cudart: bool = True,
+        storages: DeviceStorages | None = None,
+    ) -> None:
+        import torch
+
+        if device.type != "cuda":
+            raise ValueError(f"CudaPlanCopier needs a CUDA device, got {device}")
+        self._device = device
+        self._host: HostSlots | None = host
+        self._to_host = to_host
+        self._bridge = bridge
+        self._compute = compute_stream or torch.cuda.current_stream(device)
+        self._host_flat: torch.Tensor | None = host.flat()
+        self._storages = storages
+        self._use_triton = use_triton
+        self._memcpy = memcpy_async() if use_cudart else None
+        self._streams: list[torch.cuda.Stream] = []
+        self._events: list[torch.cuda.Event] = []
+        self._last_end: torch.cuda.Event | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def uses_triton(self) -> bool:
+        return self._use_triton
+
+    @property
+    def copy_engine_path(self) -> str:
+        """How copy-engine runs are issued: ``cudaMemcpyAsync`` or ``torch copy_``."""
+        return "cudaMemcpyAsync" if self._memcpy is not None else "torch copy_"
+
+    def busy(self) -> bool:
+        """Whether the last transfer enqueued has not completed on the device yet."""
+        last = self._last_end
+        return last is not None and not last.query()  # type: ignore[no-untyped-call]
+
+    async def transfer(
+        self,
+        plan: CopyPlan,
+        *,
+        after: Sequence[torch.cuda.Stream] = (),
+        storages: DeviceStorages | None = None,
+    ) -> TransferResult:
+        """Enqueue ``plan`` (after the compute stream and the streams ``after``) and await
+        its completion; a cancelled transfer returns only after its copy ended."""
+        if len(plan) <= _INLINE_MAX_RUNS or self._use_triton:
+            flight = self._submit(plan, after, storages)
+        else:
+            with anyio.CancelScope(shield=True):  # what is enqueued must be awaited below
+                flight = await anyio.to_thread.run_sync(self._submit, plan, after, storages)
+        try:
+            await self._bridge.wait(flight.end)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(flight.end.synchronize)
+            self._recycle(flight)
+            raise
+        except Exception as exc:
+            raise TransferError(f"transfer failed on {self._device}: {exc}") from exc
+        return self._finish(flight)
+
+    def execute(
+        self,
+        plan: CopyPlan,
+        *,
+        after: Sequence[torch.cuda.Stream] = (),
+        storages: DeviceStorages | None = None,
+    ) -> TransferResult:
+        """`transfer`, blocking the calling (worker) thread."""
+        flight = self._submit(plan, after, storages)
+        try:
+            flight.end.synchronize()
+        except Exception as exc:
+            raise TransferError(f"transfer failed on {self._device}: {exc}") from exc
+        return self._finish(flight)
+
+    def close(self) -> None:
+        """Wait for the last transfer, then release streams, events and host memory."""
+        with self._lock:
+            if self._last_end is not None:
+                self._last_end.synchronize()
+            self._last_end = None
+            self._streams.clear()
+            self._events.clear()
+            self._host_flat = None
+            self._host = None
+
+    # -- internals --------------------------------------------------------------------
+
+    def _submit(
+        self, plan: CopyPlan, after: Sequence[torch.cuda.Stream], storages: DeviceStorages | None
+    ) -> _InFlight:
+        import torch
+
+        with self._lock:
+            stream = self._streams.pop() if self._streams else _new_stream(self._device)
+            start = self._events.pop() if self._events else _new_event()
+            end = self._events.pop() if self._events else _new_event()
+            stream.wait_stream(self._compute)
+            for other in after:
+                if other != self._compute:
+                    stream.wait_stream(other)
+            if self._last_end is not None:
+                stream.wait_event(self._last_end)
+            with torch.cuda.device(self._device), torch.cuda.stream(stream):
+                start.record(stream)
+                try:
+                    keepalive = self._enqueue(plan, stream, storages or self._storages)
+                except Exception as exc:
+                    end.record(stream)
+                    self._last_end = end
+                    end.synchronize()  # nothing enqueued may outlive the failed job
+                    raise TransferError(f"could not enqueue a transfer: {exc}") from exc
+                end.record(stream)
+                self._last_end = end
+        return _InFlight(stream, start, end, plan.total_bytes, keepalive)
+
+    def _enqueue(
+        self, plan: CopyPlan, stream: torch.cuda.Stream, storages: DeviceStorages | None
+    ) -> object:
+        from kernels.swap_blocks import MIN_JOBS, build_descriptors, launch_swap_blocks
+
+        if self._use_triton and len(plan) >= MIN_JOBS:
+            table = build_descriptors(plan.src, plan.dst, plan.size, pin_memory=True)
+            launch_swap_blocks(table, max_size=plan.max_size, device=self._device)
+            return table
+        if self._memcpy is not None:
+            memcpy, handle = self._memcpy, int(stream.cuda_stream)
+            runs = zip(plan.dst.tolist(), plan.src.tolist(), plan.size.tolist(), strict=True)
+            for dst, src, nbytes in runs:
+                memcpy(dst, src, nbytes, handle)
+        else:
+            self._torch_copies(plan, storages)
+        return None
+
+    def _torch_copies(self, plan: CopyPlan, storages: DeviceStorages | None) -> None:
+        host_flat, host = self._host_flat, self._host
+        if host_flat is None or host is None:
+            raise RuntimeError("CudaPlanCopier is closed")
+        if storages is None:
+            raise RuntimeError("torch copies need the device storages of the plan")
+        dev_addr, host_addr = (plan.src, plan.dst) if self._to_host else (plan.dst, plan.src)
+        which, dev_off = storages.locate(dev_addr)
+        host_off = (host_addr - host.address).tolist()
+        flats = storages.flats
+        runs = zip(which.tolist(), dev_off.tolist(), host_off, plan.size.tolist(), strict=True)
+        for index, d, h, n in runs:
+            device_bytes = flats[index][d : d + n]
+            host_bytes = host_flat[h : h + n]
+            if self._to_host:
+                host_bytes.copy_(device_bytes, non_blocking=True)
+            else:
+                device_bytes.copy_(host_bytes, non_blocking=True)
+
+    def _finish(self, flight: _InFlight) -> TransferResult:
+        seconds = flight.start.elapsed_time(flight.end) / 1e3
+        self._recycle(flight)
+        return TransferResult(flight.num_bytes, seconds)
+
+    def _recycle(self, flight: _InFlight) -> None:
+        with self._lock:
+            self._streams.append(flight.stream)
+            self._events.extend((flight.start, flight.end))
+
+
+def _new_stream(device: torch.device) -> torch.cuda.Stream:
+    import torch
+
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+def _new_event() -> torch.cuda.Event:
+    import torch
+
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
