@@ -2,7 +2,7 @@
 
 from .engine import Engine, EngineClosed
 from .jobs import CancelledJobError, Job, JobCancelled, JobError, JobHandle, JobResult
-from .lane import Executor, Lane, LaneStatistics
+from .lane import Executor, KindTally, Lane, LaneStatistics
 from .threaded import Deferred, ThreadedEngine
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "JobError",
     "JobHandle",
     "JobResult",
+    "KindTally",
     "Lane",
     "LaneStatistics",
     "ThreadedEngine",
