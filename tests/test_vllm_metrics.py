@@ -118,6 +118,7 @@ def test_a_run_is_counted_on_the_scrape(tmp_path: Path) -> None:
     config = ours(secondary_tiers=[fs], cpu_bytes_to_use=8 * 4096)
     with vh.VllmHarness(num_gpu_blocks=40, **config) as h:
         payloads = record_payloads(h)
+        h.connector.metrics.series_interval_s = 0.0  # our series every step, not every 1 s
         h.add_request("first", [*prefix, 5], max_tokens=2)  # 6 full blocks
         h.run_until_done()
         fillers = evict_gpu_prefix_cache(h)  # pushes the prefix out of the CPU tier too

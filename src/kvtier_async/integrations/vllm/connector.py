@@ -51,11 +51,11 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker: ConnectorWorker | None = None
         self._pending_flush: set[int] = set()
         self._events = VllmEvents()
-        self._metrics: SchedulerMetrics | None = None
+        self.metrics: SchedulerMetrics | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(vllm_config, kv_cache_config, config)
             max_model_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
-            self._metrics = SchedulerMetrics(self._scheduler, max_model_len)
+            self.metrics = SchedulerMetrics(self._scheduler, max_model_len)
         else:
             self._worker = ConnectorWorker(vllm_config, kv_cache_config, config)
 
@@ -117,7 +117,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        metrics = self._metrics
+        metrics = self.metrics
         assert metrics is not None, "called on the worker role"
         started = metrics.lookup_started()
         answer = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -140,8 +140,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if self._metrics is not None:
-            self._metrics.request_finished(request.request_id)
+        if self.metrics is not None:
+            self.metrics.request_finished(request.request_id)
         return self.scheduler.request_finished(request)
 
     def take_events(self) -> Iterable[Any]:
@@ -155,8 +155,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
         """Worker role: this worker's copies since the last call; scheduler role: its
         observations and our series (see `.metrics`). vLLM aggregates them."""
-        if self._metrics is not None:
-            return self._metrics.take()
+        if self.metrics is not None:
+            return self.metrics.take()
         return self.worker.metrics.take()
 
     @classmethod

@@ -74,7 +74,13 @@ class WorkerMetrics:
 
 
 class SchedulerMetrics:
-    """The scheduler role's observations, and its series read from the ledger and tiers."""
+    """The scheduler role's observations, and its series read from the ledger and tiers.
+
+    vLLM asks for stats every step; reading every tier's figures costs tens of
+    microseconds, so the series are read at most every ``series_interval_s`` (counters are
+    sent as increments: nothing is lost, a scrape sees them that much later)."""
+
+    series_interval_s = 1.0
 
     def __init__(self, scheduler: ConnectorScheduler, max_model_len: int) -> None:
         self._scheduler = scheduler
@@ -84,6 +90,7 @@ class SchedulerMetrics:
         self._sent: Samples = {}
         self._allocation_failures = 0
         self._info_sent = False
+        self._series_due = 0.0  # time.monotonic() from which the series are read again
 
     def lookup_started(self) -> float:
         return time.monotonic()
@@ -107,9 +114,26 @@ class SchedulerMetrics:
             self._stats.observe_histogram(_ConnectorMetricName.LOOKUP_ASYNC_DELAY, now - started)
 
     def take(self) -> OffloadingConnectorStats:
-        """The payload for this step: what was observed since the last one, our series'
-        increments and gauges, the CPU tier's usage, and the config info the first time."""
+        """The payload for this step: what was observed since the last one, the config info
+        the first time, and (every ``series_interval_s``) our series' increments and gauges
+        and the CPU tier's usage."""
         stats, self._stats = self._stats, OffloadingConnectorStats()
+        failures = self._scheduler.store_allocation_failures
+        if failures > self._allocation_failures:
+            stats.increase_counter(
+                _ConnectorMetricName.ALLOCATION_FAILURE, failures - self._allocation_failures
+            )
+            self._allocation_failures = failures
+        if not self._info_sent:
+            stats.set_info([self._info])
+            self._info_sent = True
+        clock = time.monotonic()
+        if clock >= self._series_due:
+            self._series_due = clock + self.series_interval_s
+            self._add_series(stats)
+        return stats
+
+    def _add_series(self, stats: OffloadingConnectorStats) -> None:
         primary, tiers, lanes = self._scheduler.statistics()
         now = samples(primary, tiers, lanes)
         for name, values in deltas(self._sent, now).items():
@@ -120,22 +144,12 @@ class SchedulerMetrics:
                 else:
                     stats.increase_counter(name, value, labels)
         self._sent = now
-        failures = self._scheduler.store_allocation_failures
-        if failures > self._allocation_failures:
-            stats.increase_counter(
-                _ConnectorMetricName.ALLOCATION_FAILURE, failures - self._allocation_failures
-            )
-            self._allocation_failures = failures
         capacity = primary.capacity or 1
         stats.set_gauge(
             CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (primary.writing + primary.pinned) / capacity
         )
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, primary.writing / capacity)
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, primary.pinned / capacity)
-        if not self._info_sent:
-            stats.set_info([self._info])
-            self._info_sent = True
-        return stats
 
 
 _TYPES = {s.name: s.type for s in SERIES}
