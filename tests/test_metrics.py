@@ -4,6 +4,7 @@ GC and a reset."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import pytest
 from kvtier_async.api import TieredKVCache
 from kvtier_async.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvtier_async.ledger import prefix_keys, split_offload_key
+from kvtier_async.tiers import base
+from kvtier_async.tiers.memory import MemoryTier
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
@@ -103,6 +106,35 @@ async def test_capacity_failures_and_queue_depth_per_tier(tmp_path: Path) -> Non
     assert value(got, "kvtier_tier_queue_depth", tier="broken") == 0
     assert value(got, "kvtier_tier_max_bytes", tier="disk") == 3 * FILE
     assert value(got, "kvtier_tier_used_bytes", tier="disk") == 3 * FILE  # one was deleted
+
+
+class BlindTier(MemoryTier):
+    """Stores and loads like the memory tier; every lookup fails whole."""
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        raise OSError("lookups are down")
+
+
+async def test_a_failed_lookup_is_a_failure_a_key_not_found_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def blind(section: Any, name: str, ctx: Any) -> BlindTier:
+        return BlindTier(name, ctx, read_workers=1, write_workers=1)
+
+    monkeypatch.setitem(base._FACTORIES, "blind", blind)
+    config = fs_config(tmp_path)
+    config["secondary_tiers"].append({"type": "blind", "name": "blind"})
+    registry = prometheus_client.CollectorRegistry()
+    async with TieredKVCache(config) as cache:
+        cache.register_metrics(registry)
+        keys = prefix_keys(range(64))
+        assert await cache.lookup(keys) == 0  # nothing anywhere: both tiers asked
+        got = scrape(registry)
+    asked = value(got, "kvtier_tier_lookups_total", tier="blind")
+    assert asked > 0 and value(got, "kvtier_tier_lookups_total", tier="disk") == asked
+    assert value(got, "kvtier_tier_failures_total", kind="lookup", tier="blind") == asked
+    assert value(got, "kvtier_tier_failures_total", kind="lookup", tier="disk") == 0
+    assert value(got, "kvtier_tier_misses_total", tier="disk") == asked
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the obj tier is asyncio-only
