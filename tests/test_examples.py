@@ -139,3 +139,33 @@ def test_the_inspect_and_gc_script_runs_on_the_servers_root(tmp_path: Path) -> N
     on_disk = sum(p.stat().st_size for p in (tmp_path / "kvtier-example-root").rglob("*.bin"))
     assert on_disk == report["bytes"]
     assert "\n$ kvtier regions\n/dev/shm: " in out
+
+
+@pytest.mark.anyio
+async def test_the_prometheus_example_serves_what_the_cache_did(tmp_path: Path) -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    example = load_example("prometheus")
+    root = tmp_path / "root"
+    text = await example.main(str(root), 20)
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    files = len(list(root.rglob("*.bin")))
+    assert files > 0
+    assert got[("kvtier_tier_cascades_total", (("tier", "disk"),))] == files
+    assert got[("kvtier_tier_promotions_total", (("tier", "disk"),))] > 0  # evicted, then back
+    hits = got[("kvtier_tier_hits_total", (("tier", "disk"),))]
+    misses = got[("kvtier_tier_misses_total", (("tier", "disk"),))]
+    assert hits + misses == got[("kvtier_tier_lookups_total", (("tier", "disk"),))]
+
+
+def test_the_prometheus_example_runs_as_a_script(tmp_path: Path) -> None:
+    pytest.importorskip("prometheus_client")
+    out = run_example(str(EXAMPLES / "prometheus.py"), "--requests", "12", cwd=tmp_path)
+    assert "scraped http://127.0.0.1:" in out
+    assert 'kvtier_tier_cascades_total{tier="disk"}' in out
+    assert "CPU tier: 24/24 slots used" in out and "disk (fs): hits" in out  # str(stats)

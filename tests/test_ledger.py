@@ -227,7 +227,9 @@ def test_reset_clears_and_reports(policy: str) -> None:
     ledger.reset()
     assert ledger.lookup(k(1)) is LookupResult.MISS
     assert ledger.statistics() == (4, 0, 4, 0, 0, 0, 1)
-    assert ledger.take_events() == [OffloadingEvent(ks(1, 2), Medium.CPU, removed=True)]
+    assert ledger.take_events() == [
+        OffloadingEvent(ks(1, 2), Medium.CPU, removed=True, cleared=True)
+    ]
     out = ledger.prepare_store(ks(3))
     assert out is not None and list(out.store_spec.slot_ids) == [0]
 

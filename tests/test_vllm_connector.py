@@ -210,23 +210,6 @@ def test_a_failed_load_fails_the_request_under_the_fail_policy(
         h.assert_no_leaks()
 
 
-def test_events_become_vllm_kv_events() -> None:
-    from kvtier_async.integrations.vllm.scheduler import events_to_vllm
-    from kvtier_async.ledger import Medium, OffloadingEvent, make_offload_key
-
-    key = make_offload_key(b"\x01" * 8, 0)
-    stored, removed = events_to_vllm(
-        [
-            OffloadingEvent([key], Medium.CPU, removed=False),
-            OffloadingEvent([key], Medium.STORAGE, removed=True, tier="fs"),
-        ],
-        block_size=16,
-    )
-    assert type(stored).__name__ == "BlockStored" and stored.medium == "CPU"
-    assert stored.block_hashes == [b"\x01" * 8] and stored.block_size == 16
-    assert type(removed).__name__ == "BlockRemoved" and removed.medium == "fs"
-
-
 def test_under_multiconnector_next_to_a_pd_connector(tmp_path: Path) -> None:
     """vLLM's MultiConnector with ours first and vLLM's ExampleConnector (a P/D-style
     connector that saves every request's KV to shared storage) second."""

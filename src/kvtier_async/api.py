@@ -23,6 +23,11 @@ Events. ``async with cache.events() as stream: async for event in stream:`` rece
 while somebody listens; a listener that falls more than its buffer behind loses events
 (counted in `CacheStats.events_dropped`), the cache never waits for it.
 
+Metrics. `stats` returns the figures (``str(stats)`` is a short summary for a person);
+``cache.register_metrics(registry)`` exposes the per-tier series (`kvtier_async.metrics`) to
+a ``prometheus_client`` registry you pass. Counters are final once `drain` returned or the
+cache closed; `stats` still answers after the close, with the final figures.
+
 Closing is bounded: a clean exit drains for at most ``close_timeout_s``, then cancels what
 is left (logging how many jobs, on which lanes), and each tier closes within its own bound.
 """
@@ -55,6 +60,7 @@ from kvtier_async.ledger import (
 )
 from kvtier_async.ledger.tiering import StorePolicy, TierTask
 from kvtier_async.memory import SharedRegion, close_region
+from kvtier_async.metrics import CacheCollector, Samples, samples, summary
 from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics, make_tier
 from kvtier_async.transfer.blocks import BlockCopier, DeviceBlock
 from kvtier_async.transfer.plan import HostSlots
@@ -153,6 +159,9 @@ class StoreResult:
 
 @dataclass(frozen=True)
 class CacheStats:
+    """A cache's figures: ``str()`` for a person (`kvtier_async.metrics.summary`), the
+    fields for code, `samples` for the Prometheus series."""
+
     ledger: LedgerStatistics
     tiers: list[tuple[TierCounters, TierStatistics]]
     lanes: list[LaneStatistics]
@@ -161,6 +170,13 @@ class CacheStats:
     requests: int = 0  # named requests not finished yet
     probes: int = 0  # secondary-tier lookup answers held for them
     events_dropped: int = 0  # events a slow listener did not take in time
+
+    def __str__(self) -> str:
+        return summary(self)
+
+    def samples(self) -> Samples:
+        """The series of `kvtier_async.metrics.SERIES`, by name and label values."""
+        return samples(self.ledger, self.tiers, self.lanes)
 
 
 class TieredKVCache:
@@ -177,6 +193,7 @@ class TieredKVCache:
         self._lookups = self._lookup_hits = 0
         self._listeners: list[MemoryObjectSendStream[KVEvent]] = []
         self._events_dropped = 0
+        self._final_stats: CacheStats | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -235,6 +252,8 @@ class TieredKVCache:
                 if engine is not None:  # always: its task group was entered in this task
                     await engine.__aexit__(exc_type, exc, tb)
             finally:
+                if engine is not None and self._ledger is not None:
+                    self._final_stats = self._stats(engine)
                 await self._close_region()
 
     async def _close_region(self) -> None:
@@ -504,7 +523,8 @@ class TieredKVCache:
                 return
 
     async def reset(self) -> None:
-        """Drain, then clear the CPU tier; the secondary tiers keep their data."""
+        """Drain, then clear the CPU tier; the secondary tiers keep their data. Listeners
+        get one `AllBlocksCleared` (medium ``CPU``) for the blocks the CPU tier forgot."""
         await self.drain()
         self.ledger.reset()
         self._publish()
@@ -513,12 +533,37 @@ class TieredKVCache:
         return self.ledger.has_pending_work() or self.engine.has_pending_work()
 
     def stats(self) -> CacheStats:
+        """The cache's figures now (`CacheStats`; ``str()`` of it is a short summary).
+        Counters are final once `drain` returned; after the cache closed, the final
+        figures (raises only if the cache was never opened)."""
+        if self._engine is None and self._final_stats is not None:
+            return self._final_stats
+        return self._stats(self.engine)
+
+    def register_metrics(self, registry: Any) -> CacheCollector:
+        """Expose the per-tier series (`kvtier_async.metrics.SERIES`) to ``registry``, a
+        ``prometheus_client.CollectorRegistry`` (pass ``prometheus_client.REGISTRY`` for the
+        global one; nothing is registered anywhere else). Each scrape reads the cache's
+        figures: before it opens there are none, after it closed the final ones. Returns the
+        collector (``registry.unregister(collector)`` removes it)."""
+        collector = CacheCollector(self._scrape)
+        registry.register(collector)
+        return collector
+
+    def _scrape(self) -> Samples | None:
+        """What a scrape shows (perhaps from another thread: see `kvtier_async.metrics`)."""
+        engine, final = self._engine, self._final_stats
+        if engine is not None:
+            return self._stats(engine).samples()
+        return final.samples() if final is not None else None  # None: not opened yet
+
+    def _stats(self, engine: Engine) -> CacheStats:
         ledger = self.ledger
-        tiers = list(zip(ledger.counters, (t.statistics() for t in self.tiers)))
+        tiers = list(zip(ledger.counters, (t.statistics() for t in engine.tiers)))
         return CacheStats(
             ledger.primary.statistics(),
             tiers,
-            self.engine.statistics(),
+            engine.statistics(),
             self._lookups,
             self._lookup_hits,
             ledger.primary.num_requests,

@@ -50,9 +50,13 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 def to_kv_events(events: Iterable[OffloadingEvent]) -> Iterator[KVEvent]:
     """The ledger's events as KV events, one per (event, KV-cache group); failed writes'
-    bookkeeping removals (``metadata_only``) are not announced, as in vLLM."""
+    bookkeeping removals (``metadata_only``) are not announced, as in vLLM; a reset's
+    removal of every key is one `AllBlocksCleared`."""
     for event in events:
         if event.metadata_only:
+            continue
+        if event.cleared:
+            yield AllBlocksCleared(event.medium.value)
             continue
         cls = BlockRemoved if event.removed else BlockStored
         by_group: dict[int, list[bytes]] = {}

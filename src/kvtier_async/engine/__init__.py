@@ -3,7 +3,7 @@
 from .backend import TierBackend
 from .engine import Engine, EngineClosed
 from .jobs import CancelledJobError, Job, JobCancelled, JobError, JobHandle, JobResult
-from .lane import Executor, Lane, LaneStatistics
+from .lane import Executor, KindTally, Lane, LaneStatistics
 from .threaded import Deferred, ThreadedEngine
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "JobError",
     "JobHandle",
     "JobResult",
+    "KindTally",
     "Lane",
     "LaneStatistics",
     "ThreadedEngine",

@@ -8,22 +8,28 @@ when both wait. Stores are best-effort and may wait; loads are what a request wa
 A job that fails whole is logged once per `_WARN_INTERVAL_S` per lane (`RateLimited`: while a
 circuit is open every job fails, and one line per job would flood the log); the lines not
 logged are counted in `LaneStatistics.warnings_suppressed`.
+
+Each lane also tallies its jobs by kind (`KindTally`: jobs, keys that failed, bytes, seconds
+of run time), so a tier's reads (promotions) and writes (cascades) are told apart in metrics.
+A lookup's "not found" is an answer, not a failure: only keys of a lookup job that failed
+whole count as failed.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvtier_async._log import RateLimited, get_logger
+from kvtier_async.ledger import JobKind
 
 from .jobs import Job, JobHandle, JobResult
 
-__all__ = ["Executor", "Lane", "LaneStatistics"]
+__all__ = ["Executor", "KindTally", "Lane", "LaneStatistics"]
 
 log = get_logger(__name__)
 
@@ -32,6 +38,17 @@ _WARN_INTERVAL_S = 10.0
 
 Executor = Callable[[Job], Awaitable[tuple[Sequence[bool], int]]]
 """Runs a job; returns per-key success and the bytes moved. Raises if the job failed whole."""
+
+
+@dataclass(frozen=True)
+class KindTally:
+    """A lane's jobs of one kind: how many ended, keys that failed, bytes moved by the
+    jobs that completed, seconds of run time (summed over workers)."""
+
+    jobs: int = 0
+    keys_failed: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +65,7 @@ class LaneStatistics:
     bytes: int
     busy_s: float
     warnings_suppressed: int = 0  # "job failed" lines not logged (rate-limited)
+    by_kind: dict[str, KindTally] = field(default_factory=dict)  # JobKind value -> tally
 
     @property
     def gbps(self) -> float:
@@ -74,6 +92,7 @@ class Lane:
         self._running = self._completed = self._failed = self._cancelled = 0
         self._keys_ok = self._keys_failed = self._bytes = 0
         self._busy_s = 0.0
+        self._by_kind: dict[str, list[float]] = {}  # kind -> [jobs, keys failed, bytes, s]
         self._warn = RateLimited(log, _WARN_INTERVAL_S)
 
     # --- submission --------------------------------------------------------------------
@@ -190,11 +209,12 @@ class Lane:
     def _finish(self, handle: JobHandle, result: JobResult, start: float) -> None:
         handle._scope = None
         self._running -= 1
-        self._busy_s += time.perf_counter() - start
-        self._count(result)
+        busy = time.perf_counter() - start
+        self._busy_s += busy
+        self._count(result, busy)
         handle._resolve(result)
 
-    def _count(self, result: JobResult) -> None:
+    def _count(self, result: JobResult, busy: float) -> None:
         if result.cancelled:
             self._cancelled += 1
         elif result.error is not None:
@@ -205,6 +225,17 @@ class Lane:
         n_ok = sum(result.ok)
         self._keys_ok += n_ok
         self._keys_failed += len(result.ok) - n_ok
+        tally = self._by_kind.get(result.kind.value)
+        if tally is None:
+            tally = self._by_kind[result.kind.value] = [0, 0, 0, 0.0]
+        whole = result.error is not None
+        tally[0] += 1
+        if result.kind is JobKind.LOOKUP:
+            tally[1] += len(result.ok) if whole else 0
+        else:
+            tally[1] += len(result.ok) - n_ok
+        tally[2] += 0 if whole else result.nbytes
+        tally[3] += busy
 
     # --- shutdown and statistics -------------------------------------------------------
 
@@ -245,4 +276,8 @@ class Lane:
             self._bytes,
             self._busy_s,
             self._warn.suppressed,
+            {
+                kind: KindTally(int(t[0]), int(t[1]), int(t[2]), t[3])
+                for kind, t in list(self._by_kind.items())
+            },
         )

@@ -184,6 +184,7 @@ class OffloadingEvent:
 
     ``metadata_only``: a removal of keys that were never announced (their write failed);
     it releases bookkeeping and is not a public eviction (vLLM publishes no BlockRemoved).
+    ``cleared``: the removal of every key by a reset (announced as ``AllBlocksCleared``).
     """
 
     keys: list[bytes]
@@ -191,3 +192,4 @@ class OffloadingEvent:
     removed: bool
     tier: str | None = field(default=None)
     metadata_only: bool = False
+    cleared: bool = False

@@ -476,11 +476,14 @@ class PrimaryLedger:
         return kept
 
     def reset(self) -> None:
-        """Forget every key (a removal event lists them) and every request's state, and
+        """Forget every key (a ``cleared`` removal event lists them) and every request's
+        state, and
         start a new generation; the admission counts of ``store_threshold`` stay (vLLM's
         ``reset_cache`` keeps them too)."""
         if self._slot_of:
-            self._emit(OffloadingEvent(list(self._slot_of), self.medium, removed=True))
+            self._emit(
+                OffloadingEvent(list(self._slot_of), self.medium, removed=True, cleared=True)
+            )
         self._slot_of.clear()
         self.policy.clear()
         self._reqs.clear()  # the admission counts stay, as in vLLM

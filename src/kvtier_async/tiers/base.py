@@ -98,6 +98,8 @@ class TierStatistics:
     lookups: int = 0
     lookup_hits: int = 0
     detail: str = ""
+    used_bytes: int | None = None  # bytes the tier holds, where it keeps count (max_bytes)
+    max_bytes: int | None = None  # its capacity, where it has one
 
 
 class SecondaryTier(ABC):

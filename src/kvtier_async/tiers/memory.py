@@ -140,6 +140,8 @@ class MemoryTier(SecondaryTier):
             s["lookups"],
             s["hits"],
             detail=f"{len(self._data)} blocks in memory",
+            used_bytes=self._size,
+            max_bytes=self.capacity_bytes,
         )
 
 

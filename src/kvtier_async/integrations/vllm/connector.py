@@ -9,6 +9,11 @@ Load it with::
 
 The scheduler role (`ConnectorScheduler`) and the worker role (`ConnectorWorker`) live in
 different processes and talk only through `KVTierMetadata` / `KVTierWorkerMetadata`.
+
+Stats and metrics follow vLLM's OffloadingConnector (`.metrics`): each role's
+``get_kv_connector_stats`` returns vLLM's `OffloadingConnectorStats`, and
+``build_prom_metrics`` registers vLLM's offloading series plus ours. KV events (``take_events``,
+when vLLM publishes them) go through vLLM's own translation (`.events`).
 """
 
 from __future__ import annotations
@@ -21,10 +26,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 
 from .config import ConnectorConfig
+from .events import VllmEvents
 from .metadata import KVTierMetadata, KVTierWorkerMetadata
-from .scheduler import ConnectorScheduler, events_to_vllm
+from .metrics import KVTierPromMetrics, SchedulerMetrics
+from .scheduler import ConnectorScheduler
 from .worker import ConnectorWorker
 
 __all__ = ["KVTierConnector"]
@@ -35,14 +45,17 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         config = ConnectorConfig.from_extra_config(extra)
-        self._block_size = int(vllm_config.cache_config.block_size)
         events = getattr(vllm_config, "kv_events_config", None)
         self._publish_events = bool(getattr(events, "enable_kv_cache_events", False))
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         self._pending_flush: set[int] = set()
+        self._events = VllmEvents()
+        self.metrics: SchedulerMetrics | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(vllm_config, kv_cache_config, config)
+            max_model_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
+            self.metrics = SchedulerMetrics(self._scheduler, max_model_len)
         else:
             self._worker = ConnectorWorker(vllm_config, kv_cache_config, config)
 
@@ -104,7 +117,12 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        metrics = self.metrics
+        assert metrics is not None, "called on the worker role"
+        started = metrics.lookup_started()
+        answer = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        metrics.lookup_done(request.request_id, started, answer[0])
+        return answer
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -122,13 +140,40 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if self.metrics is not None:
+            self.metrics.request_finished(request.request_id)
         return self.scheduler.request_finished(request)
 
     def take_events(self) -> Iterable[Any]:
         events = self.scheduler.take_events()
         if not self._publish_events:
             return ()  # KV events are off in vLLM: nothing to convert
-        return events_to_vllm(events, self._block_size)
+        return self._events.translate(events)
+
+    # --- stats and metrics ------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
+        """Worker role: this worker's copies since the last call; scheduler role: its
+        observations and our series (see `.metrics`). vLLM aggregates them."""
+        if self.metrics is not None:
+            return self.metrics.take()
+        return self.worker.metrics.take()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> OffloadingConnectorStats | None:
+        return OffloadingConnectorStats() if data is None else OffloadingConnectorStats(data=data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVTierPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()

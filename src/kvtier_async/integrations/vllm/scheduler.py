@@ -41,22 +41,23 @@ from typing import Any
 import numpy as np
 
 from kvtier_async._log import get_logger
-from kvtier_async.engine import Deferred, Engine, Job, ThreadedEngine
+from kvtier_async.engine import Deferred, Engine, Job, LaneStatistics, ThreadedEngine
 from kvtier_async.ledger import (
     CPUSpec,
     GPUSpec,
     JobKind,
+    LedgerStatistics,
     LookupResult,
     OffloadingEvent,
     PrimaryLedger,
     StorePolicy,
+    TierCounters,
     TieringLedger,
     TierTask,
     make_offload_key,
-    split_offload_key,
 )
 from kvtier_async.memory import SharedRegion, close_region
-from kvtier_async.tiers.base import SecondaryTier, TierContext, make_tier
+from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics, make_tier
 
 from .config import ConnectorConfig
 from .layout import OffloadLayout
@@ -132,6 +133,8 @@ class ConnectorScheduler:
         self._reset_fence: dict[int, int] = {}  # device job flushed by a reset -> reports due
         self._deferred: list[Job] = []
         self._region: SharedRegion | None = None
+        self.tiers = tiers
+        self.store_allocation_failures = 0  # stores the CPU tier had no room for
         self._threaded: ThreadedEngine | None = self._start_engine(tiers)
 
     # --- the tier engine --------------------------------------------------------------
@@ -464,6 +467,7 @@ class ConnectorScheduler:
             return
         out = self.ledger.prepare_store(offer, req.request_id)
         if out is None:
+            self.store_allocation_failures += 1
             log.warning(
                 "no room in the CPU tier for a store; retried next step",
                 req_id=req.request_id,
@@ -590,6 +594,17 @@ class ConnectorScheduler:
     def take_events(self) -> list[OffloadingEvent]:
         return self.ledger.take_events()
 
+    def statistics(
+        self,
+    ) -> tuple[LedgerStatistics, list[tuple[TierCounters, TierStatistics]], list[LaneStatistics]]:
+        """The CPU ledger's slots, each tier's counters and statistics, the tier lanes (read
+        from the engine's thread: plain counters, each exact)."""
+        threaded = self._threaded
+        engine = threaded.engine if threaded is not None else None
+        lanes = engine.statistics() if engine is not None else []
+        tiers = list(zip(self.ledger.counters, (t.statistics() for t in self.tiers)))
+        return self.ledger.primary.statistics(), tiers, lanes
+
     def reset_cache(self) -> set[int] | None:
         """Flush the tier jobs, forget the device jobs in flight (the workers are told to
         flush them; a fence waits for their reports), clear the CPU tier; returns the
@@ -666,30 +681,3 @@ def _no_block_view(slot: int) -> memoryview:
 
 def _aborted(req: Any) -> bool:
     return str(getattr(req.status, "name", "")) == "FINISHED_ABORTED"
-
-
-def events_to_vllm(events: Iterable[OffloadingEvent], block_size: int) -> list[Any]:
-    """Our events as vLLM KV events (BlockStored / BlockRemoved), per medium."""
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
-
-    out: list[Any] = []
-    for event in events:
-        if event.metadata_only:  # a failed write: never announced (vLLM publishes nothing)
-            continue
-        hashes: list[Any] = [split_offload_key(key)[0] for key in event.keys]
-        medium = event.tier or event.medium.value
-        if event.removed:
-            out.append(BlockRemoved(block_hashes=hashes, medium=medium))
-        else:
-            out.append(
-                BlockStored(
-                    block_hashes=hashes,
-                    parent_block_hash=None,
-                    token_ids=[],
-                    block_size=block_size,
-                    lora_id=None,
-                    medium=medium,
-                    lora_name=None,
-                )
-            )
-    return out

@@ -45,6 +45,7 @@ from kvtier_async.transfer.handlers import TransferRouter
 from .config import ConnectorConfig
 from .layout import OffloadLayout
 from .metadata import DeviceJob, KVTierMetadata, KVTierWorkerMetadata
+from .metrics import WorkerMetrics
 
 __all__ = ["ConnectorWorker"]
 
@@ -67,6 +68,7 @@ class ConnectorWorker:
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._inline = False
+        self.metrics = WorkerMetrics()  # this worker's copies, for vLLM's connector stats
 
     # --- set-up -----------------------------------------------------------------------
 
@@ -202,7 +204,7 @@ class ConnectorWorker:
                 continue
             job_id, device = self._inflight.pop(item.job_id)
             del self._engine_jobs[job_id]
-            self._record(job_id, device, item.error)
+            self._record(job_id, device, item.error, item.nbytes, item.run_s)
 
     def _run_inline(self, job_id: int, device: DeviceJob) -> None:
         """A copy between CPU tensors, done here: on a CPU device a thread hand-off buys no
@@ -210,15 +212,26 @@ class ConnectorWorker:
         assert self._router is not None
         src, dst = (device.gpu, device.cpu) if device.is_store else (device.cpu, device.gpu)
         error: Exception | None = None
+        nbytes, seconds = 0, 0.0
         try:
-            self._router.execute(src, dst)
+            result = self._router.execute(src, dst)
+            nbytes, seconds = result.bytes, result.seconds
         except Exception as exc:
             error = exc
-        self._record(job_id, device, error)
+        self._record(job_id, device, error, nbytes, seconds)
 
-    def _record(self, job_id: int, device: DeviceJob, error: BaseException | None) -> None:
+    def _record(
+        self,
+        job_id: int,
+        device: DeviceJob,
+        error: BaseException | None,
+        nbytes: int = 0,
+        seconds: float = 0.0,
+    ) -> None:
         self._meta.completed[job_id] = self._meta.completed.get(job_id, 0) + 1
-        if error is not None:
+        if error is None:
+            self.metrics.record(device.is_store, nbytes, seconds)
+        else:
             self._meta.failed.add(job_id)
             log.warning(
                 "device job failed", job_id=job_id, store=device.is_store, error=repr(error)

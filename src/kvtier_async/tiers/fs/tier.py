@@ -52,7 +52,7 @@ from kvtier_async.tiers.fs.files import (
     Reports,
 )
 from kvtier_async.tiers.fs.publish import PRIVATE_MODE, Perms
-from kvtier_async.tiers.fs.records import REMOVED_DAMAGED, REMOVED_EVICTED
+from kvtier_async.tiers.fs.records import REMOVED_DAMAGED, REMOVED_EVICTED, Usage
 
 __all__ = [
     "DEFAULT_READ_WORKERS",
@@ -190,6 +190,7 @@ class FsTier(SecondaryTier):
         self._write_limiter = anyio.CapacityLimiter(write_workers)
         self._lookup_limiter = anyio.CapacityLimiter(1)
         self._files: BlockFiles | None = None
+        self._usage: Usage | None = None
         self._counts = _Counts()
         self._chunk_blocks = max(1, MIN_CHUNK_BYTES // max(1, ctx.block_bytes))
 
@@ -202,6 +203,7 @@ class FsTier(SecondaryTier):
         if self._files is not None:
             raise RuntimeError(f"{self!r} is already open")
         self._files = await anyio.to_thread.run_sync(self._open_files)
+        self._usage = self._files.usage  # its last figures stay readable after the close
         log.info("fs tier open", tier=self.name, detail=self._files.describe())
 
     async def aclose(self) -> None:
@@ -243,6 +245,7 @@ class FsTier(SecondaryTier):
         counts, files, reports = self._counts, self._files, self._reports
         removed, store_errors = reports.removed, reports.store_errors
         detail = "closed" if files is None else files.describe()
+        usage = self._usage
         return FsTierStatistics(
             name=self.name,
             kind=self.kind,
@@ -255,6 +258,8 @@ class FsTier(SecondaryTier):
             lookups=counts.lookups,
             lookup_hits=counts.lookup_hits,
             detail=f"{detail} already_present={counts.blocks_present}",
+            used_bytes=None if usage is None else usage.used,
+            max_bytes=None if usage is None else usage.max_bytes,
             removed_damaged=removed.counts[REMOVED_DAMAGED],
             removed_evicted=removed.counts[REMOVED_EVICTED],
             removed_unreported=removed.dropped,
