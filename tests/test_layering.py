@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ledger", "memory", "events"),
     ("engine",),
     ("tiers", "transfer", "kernels"),
-    ("api", "integrations", "vllm"),
+    ("api", "integrations", "metrics", "vllm"),
     ("cli", "demo", "ops", "bench"),
 )
 LEVEL = {part: level for level, parts in enumerate(LAYERS) for part in parts}

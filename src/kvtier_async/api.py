@@ -40,7 +40,7 @@ import secrets
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import numpy as np
@@ -559,7 +559,8 @@ class TieredKVCache:
 
     def _stats(self, engine: Engine) -> CacheStats:
         ledger = self.ledger
-        tiers = list(zip(ledger.counters, (t.statistics() for t in engine.tiers)))
+        engine_tiers = cast("list[SecondaryTier]", engine.tiers)  # the tiers this cache made
+        tiers = list(zip(ledger.counters, (t.statistics() for t in engine_tiers)))
         return CacheStats(
             ledger.primary.statistics(),
             tiers,
