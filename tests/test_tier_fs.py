@@ -349,16 +349,46 @@ async def test_tmpfs_round_trip(shm_dir: Path, slots: Slots) -> None:
     assert snapshot(views) == stored
 
 
+@pytest.mark.single_path
+@pytest.mark.anyio
+async def test_tmpfs_takes_the_buffered_path_without_o_direct(
+    shm_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, native: fs_native.FsIo
+) -> None:
+    """tmpfs accepts O_DIRECT on recent kernels, but its files are in memory: the tier says
+    so and never asks for it, on either path (the Python one is checked through its opens)."""
+    assert fs_publish.memory_fs(str(shm_dir)) == "tmpfs"
+    assert fs_publish.memory_fs(str(DISK)) == ""
+    keys, views = keys_for(3), slots.make(3, 2 * PAGE)
+    async with opened(new_tier(shm_dir, 2 * PAGE)) as tier:
+        assert "io=buffered(tmpfs)" in tier.statistics().detail
+        assert "path=native" in tier.statistics().detail
+        assert await tier.store(keys, views) == [True] * 3
+    flags_seen: list[int] = []
+    real_open = blockio._open
+
+    def recording_open(path: Any, flags: int, *args: Any) -> int:
+        flags_seen.append(flags)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(files, "_native_fsio", lambda: None)
+    monkeypatch.setattr(blockio, "_open", recording_open)
+    async with opened(new_tier(shm_dir, 2 * PAGE)) as tier:
+        assert "io=buffered(tmpfs)" in tier.statistics().detail
+        assert await tier.load(keys, views) == [True] * 3
+    assert len(flags_seen) >= 3
+    assert not any(flags & os.O_DIRECT for flags in flags_seen)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("publish", PUBLISH_MODES)
 async def test_buffered_path_when_o_direct_is_refused(
-    shm_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, publish: str
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, publish: str
 ) -> None:
     refuse_o_direct(monkeypatch)
     use_publish(monkeypatch, publish)
     keys, views = keys_for(5), slots.make(5, 2 * PAGE)
     stored = snapshot(views)
-    async with opened(new_tier(shm_dir, 2 * PAGE)) as tier:
+    async with opened(new_tier(disk_dir, 2 * PAGE)) as tier:
         detail = tier.statistics().detail
         assert "io=buffered" in detail
         assert await tier.store(keys, views) == [True] * 5
@@ -366,7 +396,7 @@ async def test_buffered_path_when_o_direct_is_refused(
         assert await tier.load(keys, views) == [True] * 5
     assert snapshot(views) == stored
     assert f"publish={publish}" in detail or "publish=rename" in detail  # linkat may be refused
-    assert temp_files(shm_dir) == []
+    assert temp_files(disk_dir) == []
 
 
 # -- damaged, missing and unreadable files ---------------------------------------------------
