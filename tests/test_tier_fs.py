@@ -1346,11 +1346,30 @@ async def test_calls_before_open_raise(disk_dir: Path) -> None:
 
 
 @pytest.mark.single_path
+def test_native_crc32c_folds_where_the_cpu_can() -> None:
+    """Where a C compiler is and the CPU has AVX-512 and VPCLMULQDQ, the helper loads (it
+    passed its check against the crc32c package: a wrong fold would lose the C path) and
+    folds."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    if not {"avx512f", "avx512vl", "vpclmulqdq", "pclmulqdq", "sse4_2"} <= set(flags):
+        pytest.skip("this CPU cannot fold CRC-32C with VPCLMULQDQ")
+    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler here")
+    helper = fs_native.native_fsio()
+    assert helper is not None
+    assert helper.folding_crc and "+vpclmulqdq" in helper.describe()
+
+
+@pytest.mark.single_path
 @pytest.mark.parametrize(
-    "length", [0, 1, 7, 8, 9, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 771, 1 << 20]
-)
+    "length",
+    [0, 1, 7, 8, 9, 63, 64, 255, 256, 257, 271, 447, 448, 449, 511, 767, 768, 769, 1000,
+     3 * 8192 - 1, 3 * 8192, 3 * 8192 + 771, (256 << 10) + 77, 1 << 20],
+)  # fmt: skip
 def test_native_crc32c_matches_the_crc32c_package(length: int, native: fs_native.FsIo) -> None:
-    """Around every stride of the interleaved loops, at every alignment mod 8."""
+    """Around every stride of the interleaved loops and of the folding ones (256, 64 and 16
+    bytes, from 256 bytes on), at every alignment mod 8."""
     data = os.urandom(length + 8)
     buffer = ctypes.create_string_buffer(data, len(data))
     for start in range(8):

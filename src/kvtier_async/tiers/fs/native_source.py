@@ -18,8 +18,9 @@ file of the wrong size or not regular fails after the short-read check), and on 
 file's device and inode (so Python deletes only that file).
 
 CRC-32C uses SSE 4.2 on x86-64 (three interleaved streams joined by zero-append operators,
-Mark Adler's method: 2.5-3x one stream) or the ARMv8 CRC instructions when the CPU has them,
-else a slicing-by-8 table; `kvtier_async.tiers.fs.native.native_fsio` checks it against the
+Mark Adler's method: 2.5-3x one stream; from 256 bytes, folding with VPCLMULQDQ where the CPU
+has AVX-512 and it: 3-4x more) or the ARMv8 CRC instructions when the CPU has them, else a
+slicing-by-8 table; `kvtier_async.tiers.fs.native.native_fsio` checks it against the
 ``crc32c`` package before use.
 """
 
@@ -210,6 +211,70 @@ static uint32_t crc_hard(uint32_t c32, const unsigned char *p, size_t n) {
     return (uint32_t)c0;
 }
 static int have_hard(void) { return __builtin_cpu_supports("sse4.2"); }
+
+/* Folding with carry-less multiplies (VPCLMULQDQ, AVX-512): each 64-byte register holds four
+   16-byte lanes; a lane of the message at byte p stands, for the CRC, for its two 64-bit
+   halves times x^(D+32) and x^(D-32) mod P (FOLD_<D>_LO, FOLD_<D>_HI, D bits further on,
+   generated from Python), added into the lane D bits further on. Four registers fold 256
+   bytes at a time (D = 2048), are folded into one (D = 512), its lanes into one (D = 128),
+   and the CRC instruction finishes with those 16 bytes and the tail. The initial register
+   value is XORed into the first four bytes. 3-4 times the three interleaved streams on a
+   block in cache (50 against 15 GB/s on the 2-core dev box, 256 KiB). */
+#define FOLD_TARGET __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2")))
+#define FOLD_MIN 256
+#include <immintrin.h>
+
+FOLD_TARGET static inline __m512i fold64(__m512i acc, __m512i k, __m512i next) {
+    __m512i lo = _mm512_clmulepi64_epi128(acc, k, 0x00);
+    __m512i hi = _mm512_clmulepi64_epi128(acc, k, 0x11);
+    return _mm512_ternarylogic_epi64(lo, hi, next, 0x96);  /* lo ^ hi ^ next */
+}
+
+FOLD_TARGET static inline __m128i fold16(__m128i acc, __m128i k, __m128i next) {
+    __m128i lo = _mm_clmulepi64_si128(acc, k, 0x00), hi = _mm_clmulepi64_si128(acc, k, 0x11);
+    return _mm_xor_si128(_mm_xor_si128(lo, hi), next);
+}
+
+FOLD_TARGET static inline __m512i fold_key(uint64_t lo, uint64_t hi) {
+    return _mm512_broadcast_i32x4(_mm_set_epi64x((long long)hi, (long long)lo));
+}
+
+/* The CRC register after p[0..n), from register c; n >= FOLD_MIN. */
+FOLD_TARGET static uint32_t crc_fold(uint32_t c, const unsigned char *p, size_t n) {
+    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_maskz_set1_epi32(1, (int)c));
+    p += 64; n -= 64;
+    const __m512i k512 = fold_key(FOLD_512_LO, FOLD_512_HI);
+    if (n >= 192 + 256) {
+        const __m512i k2048 = fold_key(FOLD_2048_LO, FOLD_2048_HI);
+        __m512i x1 = _mm512_loadu_si512(p), x2 = _mm512_loadu_si512(p + 64);
+        __m512i x3 = _mm512_loadu_si512(p + 128);
+        p += 192; n -= 192;
+        do {
+            x0 = fold64(x0, k2048, _mm512_loadu_si512(p));
+            x1 = fold64(x1, k2048, _mm512_loadu_si512(p + 64));
+            x2 = fold64(x2, k2048, _mm512_loadu_si512(p + 128));
+            x3 = fold64(x3, k2048, _mm512_loadu_si512(p + 192));
+            p += 256; n -= 256;
+        } while (n >= 256);
+        x0 = fold64(fold64(fold64(x0, k512, x1), k512, x2), k512, x3);
+    }
+    for (; n >= 64; p += 64, n -= 64) x0 = fold64(x0, k512, _mm512_loadu_si512(p));
+    const __m128i k128 = _mm_set_epi64x((long long)FOLD_128_HI, (long long)FOLD_128_LO);
+    __m128i v = fold16(_mm512_extracti32x4_epi32(x0, 0), k128, _mm512_extracti32x4_epi32(x0, 1));
+    v = fold16(v, k128, _mm512_extracti32x4_epi32(x0, 2));
+    v = fold16(v, k128, _mm512_extracti32x4_epi32(x0, 3));
+    for (; n >= 16; p += 16, n -= 16) v = fold16(v, k128, _mm_loadu_si128((const __m128i *)p));
+    uint64_t c0 = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(v));
+    c0 = _mm_crc32_u64(c0, (uint64_t)_mm_extract_epi64(v, 1));
+    return crc_hard((uint32_t)c0, p, n);
+}
+
+static int have_fold(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul") &&
+           __builtin_cpu_supports("sse4.2");
+}
+#define HAVE_FOLD 1
 #elif defined(__aarch64__)
 #include <arm_acle.h>
 #include <sys/auxv.h>
@@ -231,19 +296,29 @@ static uint32_t crc_hard(uint32_t c, const unsigned char *p, size_t n) {
 static int have_hard(void) { return 0; }
 #endif
 
+#ifndef HAVE_FOLD
+#define FOLD_MIN 0
+static uint32_t crc_fold(uint32_t c, const unsigned char *p, size_t n) { return crc_hard(c, p, n); }
+static int have_fold(void) { return 0; }
+#endif
+
+/* 0: the table, 1: the CRC instruction, 2: and folding (crc_fold) from FOLD_MIN bytes. */
 static int hard = -1;
 
+static int crc_level(void) {
+    if (hard < 0) hard = have_hard() ? 1 + (have_fold() != 0) : 0;
+    return hard;
+}
+
 uint32_t kvtier_crc32c(const void *buf, size_t n) {
-    if (hard < 0) hard = have_hard();
+    int level = crc_level();
     uint32_t c = 0xFFFFFFFFu;
-    c = hard ? crc_hard(c, buf, n) : crc_soft(c, buf, n);
+    if (level == 2 && n >= FOLD_MIN) c = crc_fold(c, buf, n);
+    else c = level ? crc_hard(c, buf, n) : crc_soft(c, buf, n);
     return ~c;
 }
 
-int kvtier_crc32c_hardware(void) {
-    if (hard < 0) hard = have_hard();
-    return hard;
-}
+int kvtier_crc32c_hardware(void) { return crc_level(); }
 
 /* -- whole-file writes and reads ----------------------------------------------------- */
 
@@ -502,6 +577,25 @@ void kvtier_run(void *pool, int32_t kind, void *args) {
 """
 
 
+def _fold_keys() -> Iterator[str]:
+    """``FOLD_<D>_LO`` and ``FOLD_<D>_HI``: x^(D+32) and x^(D-32) mod P (CRC-32C), bit-reflected
+    over 33 bits, for folding 16-byte lanes D bits forward (``crc_fold``)."""
+    yield "/* CRC-32C folding keys, generated from Python. */"
+    for distance in (2048, 512, 128):
+        for half, power in (("LO", distance + 32), ("HI", distance - 32)):
+            yield f"#define FOLD_{distance}_{half} 0x{_reflected_power(power):x}ULL"
+
+
+def _reflected_power(power: int) -> int:
+    """x^power mod the CRC-32C polynomial, its 33 bits reversed (bit 32 - j holds x^j)."""
+    poly, value = 0x11EDC6F41, 1
+    for _ in range(power):
+        value <<= 1
+        if value >> 32:
+            value ^= poly
+    return int(f"{value:033b}"[::-1], 2)
+
+
 def _c_codes() -> Iterator[str]:
     yield "/* Result codes, steps and batch kinds, generated from Python. */"
     codes = {
@@ -525,4 +619,4 @@ def _c_codes() -> Iterator[str]:
         yield f"#define {name} {value}"
 
 
-SOURCE: Final = "\n".join([_INCLUDES, c_defines(), *_c_codes(), "", _CODE])
+SOURCE: Final = "\n".join([_INCLUDES, c_defines(), *_c_codes(), *_fold_keys(), "", _CODE])
