@@ -10,7 +10,10 @@ there: done; a wrong-sized regular file or a symbolic link: deleted, noted), CRC
 payload into the header Python prepared, CRC-32C the header,
 ``open(O_CREAT|O_EXCL|O_NOFOLLOW[|O_DIRECT], mode)`` the named temporary (and ``fchmod`` it
 to ``mode`` when asked: the umask may have narrowed it), ``pwritev`` header and payload,
-optional ``fsync``, ``close``, ``rename``. On a failure the temporary is unlinked and the
+optional ``fsync``, ``close``, ``rename``. Buffered (no O_DIRECT), the payload is written
+first and checksummed after, while the kernel's copy left it in the cache, then the header:
+one cold pass over the block instead of two (on tmpfs, one thread, A/B: 0.04-0.08 CPU s/GB
+less at 256 KiB, within the noise at 2 MiB). On a failure the temporary is unlinked and the
 step and ``errno`` are reported. A load: ``open(O_NOFOLLOW)`` (``ENOENT``: a miss; a
 symbolic link fails with ``ELOOP``, never followed), ``fstat``, ``preadv`` into [header page,
 slot], the same checks as `kvtier_async.tiers.blockfile.verify_block` in the same order (a
@@ -322,10 +325,10 @@ int kvtier_crc32c_hardware(void) { return crc_level(); }
 
 /* -- whole-file writes and reads ----------------------------------------------------- */
 
-/* Write (writing != 0) or read head then body at offset 0 of fd, resuming after short
+/* Write (writing != 0) or read head then body at offset base of fd, resuming after short
    transfers. Returns the bytes moved (fewer than asked only when a read meets the end of the
    file) or -errno; a write that moves nothing is -EIO. */
-static int64_t move_all(int fd, int writing, unsigned char *head, size_t head_n,
+static int64_t move_all(int fd, int writing, off_t base, unsigned char *head, size_t head_n,
                         unsigned char *body, size_t body_n) {
     size_t total = head_n + body_n, done = 0;
     while (done < total) {
@@ -337,7 +340,7 @@ static int64_t move_all(int fd, int writing, unsigned char *head, size_t head_n,
         } else {
             iov[k].iov_base = body + (done - head_n); iov[k].iov_len = total - done; k++;
         }
-        off_t at = (off_t)done;
+        off_t at = base + (off_t)done;
         ssize_t moved = writing ? pwritev(fd, iov, k, at) : preadv(fd, iov, k, at);
         if (moved < 0) { if (errno == EINTR) continue; return -errno; }
         if (moved == 0) { if (writing) return -EIO; break; }
@@ -370,6 +373,14 @@ struct store_args {
     int32_t *result, *step, *noted;
 };
 
+/* Fill in the payload sum and then the header sum of a header page. */
+static void seal_header(unsigned char *head, const unsigned char *body, int64_t body_n) {
+    uint64_t sum = kvtier_crc32c(body, (size_t)body_n);
+    memcpy(head + KVB_PAYLOAD_SUM_AT, &sum, KVB_PAYLOAD_SUM_SIZE);
+    uint64_t head_sum = kvtier_crc32c(head, KVB_HEADER_SUM_AT);
+    memcpy(head + KVB_HEADER_SUM_AT, &head_sum, KVB_HEADER_SUM_SIZE);
+}
+
 static void store_one(const struct store_args *a, int64_t i) {
     int64_t head_n = KVB_HEADER_BYTES, body_n = a->body_n;
     a->step[i] = 0; a->noted[i] = 0;
@@ -384,11 +395,12 @@ static void store_one(const struct store_args *a, int64_t i) {
                 a->noted[i] = 1;
         }
     }
-    unsigned char *head = a->heads[i];
-    uint64_t sum = kvtier_crc32c(a->bodies[i], (size_t)body_n);
-    memcpy(head + KVB_PAYLOAD_SUM_AT, &sum, KVB_PAYLOAD_SUM_SIZE);
-    uint64_t head_sum = kvtier_crc32c(head, KVB_HEADER_SUM_AT);
-    memcpy(head + KVB_HEADER_SUM_AT, &head_sum, KVB_HEADER_SUM_SIZE);
+    unsigned char *head = a->heads[i], *body = a->bodies[i];
+    /* Buffered, the kernel's copy of the payload brings it into the cache: write it first
+       and checksum it there, then the header (one cold pass over the block, not two). With
+       O_DIRECT nothing copies it: checksum first, and one write of header and payload. */
+    int direct = (a->flags[i] & O_DIRECT) != 0;
+    if (direct) seal_header(head, body, body_n);
     int fd = open(a->temps[i], O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW | a->flags[i],
                   (mode_t)a->file_mode);
     if (fd < 0) { a->result[i] = -errno; a->step[i] = STEP_OPEN; return; }
@@ -397,7 +409,16 @@ static void store_one(const struct store_args *a, int64_t i) {
         err = -errno; a->step[i] = STEP_OPEN;
     }
     if (!err) {
-        int64_t wrote = move_all(fd, 1, head, (size_t)head_n, a->bodies[i], (size_t)body_n);
+        int64_t wrote;
+        if (direct) {
+            wrote = move_all(fd, 1, 0, head, (size_t)head_n, body, (size_t)body_n);
+        } else {
+            wrote = move_all(fd, 1, (off_t)head_n, NULL, 0, body, (size_t)body_n);
+            if (wrote >= 0) {
+                seal_header(head, body, body_n);
+                wrote = move_all(fd, 1, 0, head, (size_t)head_n, NULL, 0);
+            }
+        }
         if (wrote < 0) { err = (int)wrote; a->step[i] = STEP_WRITE; }
     }
     if (!err && a->do_fsync && fsync(fd) != 0) { err = -errno; a->step[i] = STEP_FSYNC; }
@@ -438,7 +459,7 @@ static void load_one(const struct load_args *a, int64_t i) {
     const unsigned char *want = a->expect + (size_t)KVB_FIELDS_BYTES * (size_t)i;
     struct stat st;
     int have_st = fstat(fd, &st) == 0;
-    int64_t r = move_all(fd, 0, head, (size_t)head_n, body, (size_t)body_n);
+    int64_t r = move_all(fd, 0, 0, head, (size_t)head_n, body, (size_t)body_n);
     int res = LOAD_OK;
     uint64_t stored;
     if (r < 0) { res = (int)r; a->step[i] = STEP_READ; }
