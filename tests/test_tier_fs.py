@@ -455,6 +455,41 @@ async def test_flipped_byte_fails_and_is_deleted(disk_dir: Path, slots: Slots, o
         await _assert_fails_and_is_gone(tier, key, view, path)
 
 
+# Buffered I/O moves a payload in pieces of 256 KiB (`native_source`): a block of 2.5 pieces.
+PIECES = (640 << 10) // PAGE * PAGE
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "damage",
+    [None, "flip first piece", "flip last piece", "cut in second piece", "cut at a piece end"],
+)
+async def test_blocks_of_several_pieces_on_tmpfs(
+    shm_dir: Path, slots: Slots, damage: str | None
+) -> None:
+    """Buffered, a block larger than a piece round-trips, and damage in any piece fails it."""
+    async with opened(new_tier(shm_dir, PIECES)) as tier:
+        assert "io=buffered(tmpfs)" in tier.statistics().detail
+        key, view, path = await _stored_block(tier, slots)
+        stored = bytes(view)
+        assert path.read_bytes()[HEADER_BYTES:] == stored
+        if damage is None:
+            wipe([view])
+            assert await tier.load([key], [view]) == [True]
+            assert bytes(view) == stored
+            return
+        if damage.startswith("flip"):
+            offset = HEADER_BYTES + (5 if "first" in damage else PIECES - 5)
+            with open(path, "r+b") as f:
+                f.seek(offset)
+                byte = f.read(1)[0]
+                f.seek(offset)
+                f.write(bytes([byte ^ 0x01]))
+        else:
+            os.truncate(path, HEADER_BYTES + (300 << 10 if "second" in damage else 512 << 10))
+        await _assert_fails_and_is_gone(tier, key, view, path)
+
+
 def _craft(kind: str, key: bytes, payload: bytes) -> bytes:
     """A damaged block file for ``key``: each kind fails one check of `fs.verify_block`."""
     page = memoryview(bytearray(HEADER_BYTES))
