@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier_async.bench import fs as bench_fs
+from kvtier_async.bench import fs_tmpfs as bench_fs_tmpfs
 
 
 @pytest.fixture
@@ -25,6 +26,7 @@ def test_quick_run_reports_every_case_and_leaves_nothing(
     bench_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(bench_fs, "BLOCK_SIZES", (256 << 10,))
+    monkeypatch.setattr(bench_fs, "PLACES", ("disk",))
     monkeypatch.setattr(bench_fs, "QUICK_TOTAL_BYTES", 32 << 20)
     notes: list[str] = []
     records = bench_fs.run(quick=True, progress=notes.append)
@@ -52,3 +54,31 @@ def test_truncate_all_frees_space_but_keeps_the_files(tmp_path: Path) -> None:
 def test_journal_check_is_false_off_ext4() -> None:
     assert bench_fs._mount("/dev/shm")[1] == "tmpfs"
     assert not bench_fs._ext4_without_journal("/dev/shm")
+
+
+def test_quick_tmpfs_cases_have_every_row_and_no_verdict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bench_fs, "PLACES", ("tmpfs",))
+    monkeypatch.setattr(bench_fs, "QUICK_TOTAL_BYTES", 16 << 20)
+    before = set(os.listdir(bench_fs_tmpfs.TMPFS_BASE))
+    notes: list[str] = []
+    records = bench_fs.run(quick=True, progress=notes.append)
+    vllm = bench_fs._VllmFs.load() is not None
+    rows = (" vs vllm", " CPU vs vllm", " vs memcpy") if vllm else (" vs memcpy",)
+    assert [r.case for r in records] == [
+        f"{direction} {size} tmpfs{path}{row}"
+        for size in ("256KiB", "2MiB")
+        for direction in ("store", "load")
+        for path in ("", " python path")
+        for row in rows
+    ]
+    assert all(r.ours > 0 and r.reference and r.ratio and r.ratio > 0 for r in records)
+    assert all(r.meets is None for r in records)  # a quick run judges nothing
+    targets = {r.case: r.target for r in records if r.target is not None}
+    assert set(targets) == ({f"{d} {s} tmpfs vs vllm" for d in ("store", "load")
+                             for s in ("256KiB", "2MiB")} if vllm else set())  # fmt: skip
+    assert all(t == bench_fs_tmpfs.TMPFS_TARGET for t in targets.values())
+    assert {r.metric for r in records if "CPU" in r.case} <= {"core-s/GB"}
+    assert sum("io=buffered(tmpfs)" in note for note in notes) == 4  # 2 sizes x 2 paths
+    assert set(os.listdir(bench_fs_tmpfs.TMPFS_BASE)) <= before  # the tmpfs directory is gone

@@ -349,16 +349,46 @@ async def test_tmpfs_round_trip(shm_dir: Path, slots: Slots) -> None:
     assert snapshot(views) == stored
 
 
+@pytest.mark.single_path
+@pytest.mark.anyio
+async def test_tmpfs_takes_the_buffered_path_without_o_direct(
+    shm_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, native: fs_native.FsIo
+) -> None:
+    """tmpfs accepts O_DIRECT on recent kernels, but its files are in memory: the tier says
+    so and never asks for it, on either path (the Python one is checked through its opens)."""
+    assert fs_publish.memory_fs(str(shm_dir)) == "tmpfs"
+    assert fs_publish.memory_fs(str(DISK)) == ""
+    keys, views = keys_for(3), slots.make(3, 2 * PAGE)
+    async with opened(new_tier(shm_dir, 2 * PAGE)) as tier:
+        assert "io=buffered(tmpfs)" in tier.statistics().detail
+        assert "path=native" in tier.statistics().detail
+        assert await tier.store(keys, views) == [True] * 3
+    flags_seen: list[int] = []
+    real_open = blockio._open
+
+    def recording_open(path: Any, flags: int, *args: Any) -> int:
+        flags_seen.append(flags)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(files, "_native_fsio", lambda: None)
+    monkeypatch.setattr(blockio, "_open", recording_open)
+    async with opened(new_tier(shm_dir, 2 * PAGE)) as tier:
+        assert "io=buffered(tmpfs)" in tier.statistics().detail
+        assert await tier.load(keys, views) == [True] * 3
+    assert len(flags_seen) >= 3
+    assert not any(flags & os.O_DIRECT for flags in flags_seen)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("publish", PUBLISH_MODES)
 async def test_buffered_path_when_o_direct_is_refused(
-    shm_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, publish: str
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, publish: str
 ) -> None:
     refuse_o_direct(monkeypatch)
     use_publish(monkeypatch, publish)
     keys, views = keys_for(5), slots.make(5, 2 * PAGE)
     stored = snapshot(views)
-    async with opened(new_tier(shm_dir, 2 * PAGE)) as tier:
+    async with opened(new_tier(disk_dir, 2 * PAGE)) as tier:
         detail = tier.statistics().detail
         assert "io=buffered" in detail
         assert await tier.store(keys, views) == [True] * 5
@@ -366,7 +396,7 @@ async def test_buffered_path_when_o_direct_is_refused(
         assert await tier.load(keys, views) == [True] * 5
     assert snapshot(views) == stored
     assert f"publish={publish}" in detail or "publish=rename" in detail  # linkat may be refused
-    assert temp_files(shm_dir) == []
+    assert temp_files(disk_dir) == []
 
 
 # -- damaged, missing and unreadable files ---------------------------------------------------
@@ -422,6 +452,41 @@ async def test_flipped_byte_fails_and_is_deleted(disk_dir: Path, slots: Slots, o
             byte = f.read(1)[0]
             f.seek(offset)
             f.write(bytes([byte ^ 0x01]))
+        await _assert_fails_and_is_gone(tier, key, view, path)
+
+
+# Buffered I/O moves a payload in pieces of 256 KiB (`native_source`): a block of 2.5 pieces.
+PIECES = (640 << 10) // PAGE * PAGE
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "damage",
+    [None, "flip first piece", "flip last piece", "cut in second piece", "cut at a piece end"],
+)
+async def test_blocks_of_several_pieces_on_tmpfs(
+    shm_dir: Path, slots: Slots, damage: str | None
+) -> None:
+    """Buffered, a block larger than a piece round-trips, and damage in any piece fails it."""
+    async with opened(new_tier(shm_dir, PIECES)) as tier:
+        assert "io=buffered(tmpfs)" in tier.statistics().detail
+        key, view, path = await _stored_block(tier, slots)
+        stored = bytes(view)
+        assert path.read_bytes()[HEADER_BYTES:] == stored
+        if damage is None:
+            wipe([view])
+            assert await tier.load([key], [view]) == [True]
+            assert bytes(view) == stored
+            return
+        if damage.startswith("flip"):
+            offset = HEADER_BYTES + (5 if "first" in damage else PIECES - 5)
+            with open(path, "r+b") as f:
+                f.seek(offset)
+                byte = f.read(1)[0]
+                f.seek(offset)
+                f.write(bytes([byte ^ 0x01]))
+        else:
+            os.truncate(path, HEADER_BYTES + (300 << 10 if "second" in damage else 512 << 10))
         await _assert_fails_and_is_gone(tier, key, view, path)
 
 
@@ -1316,11 +1381,30 @@ async def test_calls_before_open_raise(disk_dir: Path) -> None:
 
 
 @pytest.mark.single_path
+def test_native_crc32c_folds_where_the_cpu_can() -> None:
+    """Where a C compiler is and the CPU has AVX-512 and VPCLMULQDQ, the helper loads (it
+    passed its check against the crc32c package: a wrong fold would lose the C path) and
+    folds."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    if not {"avx512f", "avx512vl", "vpclmulqdq", "pclmulqdq", "sse4_2"} <= set(flags):
+        pytest.skip("this CPU cannot fold CRC-32C with VPCLMULQDQ")
+    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler here")
+    helper = fs_native.native_fsio()
+    assert helper is not None
+    assert helper.folding_crc and "+vpclmulqdq" in helper.describe()
+
+
+@pytest.mark.single_path
 @pytest.mark.parametrize(
-    "length", [0, 1, 7, 8, 9, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 771, 1 << 20]
-)
+    "length",
+    [0, 1, 7, 8, 9, 63, 64, 255, 256, 257, 271, 447, 448, 449, 511, 767, 768, 769, 1000,
+     3 * 8192 - 1, 3 * 8192, 3 * 8192 + 771, (256 << 10) + 77, 1 << 20],
+)  # fmt: skip
 def test_native_crc32c_matches_the_crc32c_package(length: int, native: fs_native.FsIo) -> None:
-    """Around every stride of the interleaved loops, at every alignment mod 8."""
+    """Around every stride of the interleaved loops and of the folding ones (256, 64 and 16
+    bytes, from 256 bytes on), at every alignment mod 8."""
     data = os.urandom(length + 8)
     buffer = ctypes.create_string_buffer(data, len(data))
     for start in range(8):

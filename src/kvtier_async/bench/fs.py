@@ -1,4 +1,6 @@
-"""Benchmark ``fs``: the fs tier's store and load GB/s against parallel ``dd`` and vLLM's fs tier.
+"""Benchmark ``fs``: the fs tier's store and load GB/s against parallel ``dd`` and vLLM's fs tier,
+on the disk (this module) and on tmpfs, where the disk is not the ceiling
+(`kvtier_async.bench.fs_tmpfs`, with a memcpy floor). A ``quick`` run gives no verdicts.
 
 For each block size (256 KiB, 2 MiB), about 1 GiB of blocks (``quick``: 128 MiB) moves between
 a shared CPU region in /dev/shm and a fresh directory on the real disk (``/var/tmp``, or
@@ -71,7 +73,7 @@ from kvtier_async.tiers._checksum import checksum
 from kvtier_async.tiers.base import TierContext
 from kvtier_async.tiers.fs import DEFAULT_READ_WORKERS, DEFAULT_WRITE_WORKERS, FsTier
 
-from .report import BenchRecord, latency_record, throughput_record
+from .report import BenchRecord, as_quick, latency_record, throughput_record
 
 __all__ = ["JOB_BLOCKS", "REPEATS", "STREAMS", "run"]
 
@@ -79,6 +81,7 @@ STREAMS = 16  # dd processes; vLLM threads each way (its defaults)
 JOB_BLOCKS = 16  # blocks per store / load call (one engine job)
 REPEATS = 5
 BLOCK_SIZES = (256 << 10, 2 << 20)
+PLACES = ("disk", "tmpfs")  # the disk cases (this module), the tmpfs ones (`fs_tmpfs`)
 TOTAL_BYTES = 1 << 30
 QUICK_TOTAL_BYTES = 128 << 20
 DD_TARGET = 0.9
@@ -125,9 +128,20 @@ class _Samples:
 
 def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRecord]:
     note = progress or (lambda _msg: None)
+    vllm = _VllmFs.load()
+    records: list[BenchRecord] = []
+    if "disk" in PLACES:
+        records += _run_disk(quick, vllm, note)
+    if "tmpfs" in PLACES:
+        from .fs_tmpfs import run_tmpfs  # it imports this module
+
+        records += run_tmpfs(quick=quick, vllm=vllm, note=note)
+    return as_quick(records) if quick else records
+
+
+def _run_disk(quick: bool, vllm: _VllmFs | None, note: Callable[[str], None]) -> list[BenchRecord]:
     total = QUICK_TOTAL_BYTES if quick else TOTAL_BYTES
     repeats = 1 if quick else REPEATS
-    vllm = _VllmFs.load()
     records: list[BenchRecord] = []
     with _workdir() as workdir:
         note(f"fs: working in {workdir} ({_fs_type(workdir)})")
@@ -250,16 +264,19 @@ _notes = _OursNotes()
 
 
 async def _ours(
-    directory: str, region: SharedRegion, keys: Sequence[bytes]
+    directory: str, region: SharedRegion, keys: Sequence[bytes], memory: bool = False
 ) -> tuple[_Phase, _Phase]:
+    """Store then load every block with our tier; ``memory``: on tmpfs (no sync, no page
+    cache check)."""
     ctx = TierContext(block_bytes=region.slot_bytes)
     tier = FsTier("bench", ctx, DEFAULT_READ_WORKERS, DEFAULT_WRITE_WORKERS, root_dir=directory)
     await tier.open()
     try:
         views = [region.slot_view(i) for i in range(len(keys))]
         store = await _drive(tier.store, keys, views, tier.write_workers)
-        await anyio.to_thread.run_sync(os.sync)
-        _notes.cached_bytes = await anyio.to_thread.run_sync(_cached_bytes, directory)
+        if not memory:
+            await anyio.to_thread.run_sync(os.sync)
+            _notes.cached_bytes = await anyio.to_thread.run_sync(_cached_bytes, directory)
         _scribble(views)
         load = await _drive(tier.load, keys, views, tier.read_workers)
         _notes.detail = tier.statistics().detail

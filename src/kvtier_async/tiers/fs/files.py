@@ -183,7 +183,7 @@ class BlockFiles:
         return cls(name, root, ctx, mode, fsync, usage, workers, perms, reports)
 
     def describe(self) -> str:
-        io = "O_DIRECT" if self.mode.direct else "buffered"
+        io = self.mode.describe()
         capacity = "unlimited" if self.usage is None else self.usage.describe()
         fsync = "on" if self.fsync else "off"
         path = "python" if self.fsio is None else self.fsio.describe()

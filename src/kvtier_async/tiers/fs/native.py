@@ -84,6 +84,7 @@ class FsIo:
 
     library: ctypes.CDLL
     hardware_crc: bool
+    folding_crc: bool = False  # VPCLMULQDQ folding for buffers from 256 bytes
 
     def crc32c(self, address: int, nbytes: int) -> int:
         value: int = self.library.kvtier_crc32c(address, nbytes)
@@ -109,7 +110,8 @@ class FsIo:
         return Pool(self.library, handle, self.library.kvtier_pool_threads(handle), name)
 
     def describe(self) -> str:
-        return f"native(crc32c={'hardware' if self.hardware_crc else 'table'})"
+        crc = "hardware" if self.hardware_crc else "table"
+        return f"native(crc32c={crc}{'+vpclmulqdq' if self.folding_crc else ''})"
 
 
 class Pool:
@@ -179,7 +181,8 @@ def native_fsio() -> FsIo | None:
     library.kvtier_pool_threads.restype = _I32
     library.kvtier_pool_free.argtypes = [_P]
     library.kvtier_pool_free.restype = None
-    fsio = FsIo(library, bool(library.kvtier_crc32c_hardware()))
+    level = library.kvtier_crc32c_hardware()  # 0 table, 1 CRC instruction, 2 and folding
+    fsio = FsIo(library, level >= 1, level >= 2)
     sample = bytes(range(256)) * 17 + b"123456789"
     buffer = ctypes.create_string_buffer(sample, len(sample))
     for start in (0, 1, 3, 8, len(sample) - 9):

@@ -10,16 +10,20 @@ there: done; a wrong-sized regular file or a symbolic link: deleted, noted), CRC
 payload into the header Python prepared, CRC-32C the header,
 ``open(O_CREAT|O_EXCL|O_NOFOLLOW[|O_DIRECT], mode)`` the named temporary (and ``fchmod`` it
 to ``mode`` when asked: the umask may have narrowed it), ``pwritev`` header and payload,
-optional ``fsync``, ``close``, ``rename``. On a failure the temporary is unlinked and the
-step and ``errno`` are reported. A load: ``open(O_NOFOLLOW)`` (``ENOENT``: a miss; a
-symbolic link fails with ``ELOOP``, never followed), ``fstat``, ``preadv`` into [header page,
-slot], the same checks as `kvtier_async.tiers.blockfile.verify_block` in the same order (a
+optional ``fsync``, ``close``, ``rename``. Buffered (no O_DIRECT), the payload is written
+first, in pieces of 256 KiB each checksummed right after the kernel's copy left it in this
+core's cache, then the header: one cold pass over the block instead of two. A load:
+``open(O_NOFOLLOW)`` (``ENOENT``: a miss; a symbolic link fails with ``ELOOP``, never
+followed), ``fstat``, ``preadv`` into [header page, slot] (buffered: the header and the
+payload's first 256 KiB, then the rest in pieces, each checksummed as it arrives), the same
+checks as `kvtier_async.tiers.blockfile.verify_block` in the same order (a
 file of the wrong size or not regular fails after the short-read check), and on a failure the
 file's device and inode (so Python deletes only that file).
 
 CRC-32C uses SSE 4.2 on x86-64 (three interleaved streams joined by zero-append operators,
-Mark Adler's method: 2.5-3x one stream) or the ARMv8 CRC instructions when the CPU has them,
-else a slicing-by-8 table; `kvtier_async.tiers.fs.native.native_fsio` checks it against the
+Mark Adler's method: 2.5-3x one stream; from 256 bytes, folding with VPCLMULQDQ where the CPU
+has AVX-512 and it: 3-4x more) or the ARMv8 CRC instructions when the CPU has them, else a
+slicing-by-8 table; `kvtier_async.tiers.fs.native.native_fsio` checks it against the
 ``crc32c`` package before use.
 """
 
@@ -210,6 +214,70 @@ static uint32_t crc_hard(uint32_t c32, const unsigned char *p, size_t n) {
     return (uint32_t)c0;
 }
 static int have_hard(void) { return __builtin_cpu_supports("sse4.2"); }
+
+/* Folding with carry-less multiplies (VPCLMULQDQ, AVX-512): each 64-byte register holds four
+   16-byte lanes; a lane of the message at byte p stands, for the CRC, for its two 64-bit
+   halves times x^(D+32) and x^(D-32) mod P (FOLD_<D>_LO, FOLD_<D>_HI, D bits further on,
+   generated from Python), added into the lane D bits further on. Four registers fold 256
+   bytes at a time (D = 2048), are folded into one (D = 512), its lanes into one (D = 128),
+   and the CRC instruction finishes with those 16 bytes and the tail. The initial register
+   value is XORed into the first four bytes. 3-4 times the three interleaved streams on a
+   block in cache (50 against 15 GB/s on the 2-core dev box, 256 KiB). */
+#define FOLD_TARGET __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2")))
+#define FOLD_MIN 256
+#include <immintrin.h>
+
+FOLD_TARGET static inline __m512i fold64(__m512i acc, __m512i k, __m512i next) {
+    __m512i lo = _mm512_clmulepi64_epi128(acc, k, 0x00);
+    __m512i hi = _mm512_clmulepi64_epi128(acc, k, 0x11);
+    return _mm512_ternarylogic_epi64(lo, hi, next, 0x96);  /* lo ^ hi ^ next */
+}
+
+FOLD_TARGET static inline __m128i fold16(__m128i acc, __m128i k, __m128i next) {
+    __m128i lo = _mm_clmulepi64_si128(acc, k, 0x00), hi = _mm_clmulepi64_si128(acc, k, 0x11);
+    return _mm_xor_si128(_mm_xor_si128(lo, hi), next);
+}
+
+FOLD_TARGET static inline __m512i fold_key(uint64_t lo, uint64_t hi) {
+    return _mm512_broadcast_i32x4(_mm_set_epi64x((long long)hi, (long long)lo));
+}
+
+/* The CRC register after p[0..n), from register c; n >= FOLD_MIN. */
+FOLD_TARGET static uint32_t crc_fold(uint32_t c, const unsigned char *p, size_t n) {
+    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_maskz_set1_epi32(1, (int)c));
+    p += 64; n -= 64;
+    const __m512i k512 = fold_key(FOLD_512_LO, FOLD_512_HI);
+    if (n >= 192 + 256) {
+        const __m512i k2048 = fold_key(FOLD_2048_LO, FOLD_2048_HI);
+        __m512i x1 = _mm512_loadu_si512(p), x2 = _mm512_loadu_si512(p + 64);
+        __m512i x3 = _mm512_loadu_si512(p + 128);
+        p += 192; n -= 192;
+        do {
+            x0 = fold64(x0, k2048, _mm512_loadu_si512(p));
+            x1 = fold64(x1, k2048, _mm512_loadu_si512(p + 64));
+            x2 = fold64(x2, k2048, _mm512_loadu_si512(p + 128));
+            x3 = fold64(x3, k2048, _mm512_loadu_si512(p + 192));
+            p += 256; n -= 256;
+        } while (n >= 256);
+        x0 = fold64(fold64(fold64(x0, k512, x1), k512, x2), k512, x3);
+    }
+    for (; n >= 64; p += 64, n -= 64) x0 = fold64(x0, k512, _mm512_loadu_si512(p));
+    const __m128i k128 = _mm_set_epi64x((long long)FOLD_128_HI, (long long)FOLD_128_LO);
+    __m128i v = fold16(_mm512_extracti32x4_epi32(x0, 0), k128, _mm512_extracti32x4_epi32(x0, 1));
+    v = fold16(v, k128, _mm512_extracti32x4_epi32(x0, 2));
+    v = fold16(v, k128, _mm512_extracti32x4_epi32(x0, 3));
+    for (; n >= 16; p += 16, n -= 16) v = fold16(v, k128, _mm_loadu_si128((const __m128i *)p));
+    uint64_t c0 = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(v));
+    c0 = _mm_crc32_u64(c0, (uint64_t)_mm_extract_epi64(v, 1));
+    return crc_hard((uint32_t)c0, p, n);
+}
+
+static int have_fold(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul") &&
+           __builtin_cpu_supports("sse4.2");
+}
+#define HAVE_FOLD 1
 #elif defined(__aarch64__)
 #include <arm_acle.h>
 #include <sys/auxv.h>
@@ -231,26 +299,38 @@ static uint32_t crc_hard(uint32_t c, const unsigned char *p, size_t n) {
 static int have_hard(void) { return 0; }
 #endif
 
+#ifndef HAVE_FOLD
+#define FOLD_MIN 0
+static uint32_t crc_fold(uint32_t c, const unsigned char *p, size_t n) { return crc_hard(c, p, n); }
+static int have_fold(void) { return 0; }
+#endif
+
+/* 0: the table, 1: the CRC instruction, 2: and folding (crc_fold) from FOLD_MIN bytes. */
 static int hard = -1;
 
-uint32_t kvtier_crc32c(const void *buf, size_t n) {
-    if (hard < 0) hard = have_hard();
-    uint32_t c = 0xFFFFFFFFu;
-    c = hard ? crc_hard(c, buf, n) : crc_soft(c, buf, n);
-    return ~c;
-}
-
-int kvtier_crc32c_hardware(void) {
-    if (hard < 0) hard = have_hard();
+static int crc_level(void) {
+    if (hard < 0) hard = have_hard() ? 1 + (have_fold() != 0) : 0;
     return hard;
 }
 
+/* The CRC register after buf[0..n), from register c (a running CRC-32C: start from
+   0xFFFFFFFF, invert at the end). */
+static uint32_t crc_update(uint32_t c, const void *buf, size_t n) {
+    int level = crc_level();
+    if (level == 2 && n >= FOLD_MIN) return crc_fold(c, buf, n);
+    return level ? crc_hard(c, buf, n) : crc_soft(c, buf, n);
+}
+
+uint32_t kvtier_crc32c(const void *buf, size_t n) { return ~crc_update(0xFFFFFFFFu, buf, n); }
+
+int kvtier_crc32c_hardware(void) { return crc_level(); }
+
 /* -- whole-file writes and reads ----------------------------------------------------- */
 
-/* Write (writing != 0) or read head then body at offset 0 of fd, resuming after short
+/* Write (writing != 0) or read head then body at offset base of fd, resuming after short
    transfers. Returns the bytes moved (fewer than asked only when a read meets the end of the
    file) or -errno; a write that moves nothing is -EIO. */
-static int64_t move_all(int fd, int writing, unsigned char *head, size_t head_n,
+static int64_t move_all(int fd, int writing, off_t base, unsigned char *head, size_t head_n,
                         unsigned char *body, size_t body_n) {
     size_t total = head_n + body_n, done = 0;
     while (done < total) {
@@ -262,7 +342,7 @@ static int64_t move_all(int fd, int writing, unsigned char *head, size_t head_n,
         } else {
             iov[k].iov_base = body + (done - head_n); iov[k].iov_len = total - done; k++;
         }
-        off_t at = (off_t)done;
+        off_t at = base + (off_t)done;
         ssize_t moved = writing ? pwritev(fd, iov, k, at) : preadv(fd, iov, k, at);
         if (moved < 0) { if (errno == EINTR) continue; return -errno; }
         if (moved == 0) { if (writing) return -EIO; break; }
@@ -295,6 +375,49 @@ struct store_args {
     int32_t *result, *step, *noted;
 };
 
+/* Buffered I/O moves a payload in pieces of CHUNK bytes, each checksummed right after the
+   kernel copied it, while it is still in this core's cache (L2 holds the source and the
+   destination of a chunk): a 2 MiB block in one piece has left L2 by the time its checksum
+   starts, which then reads it from memory. O_DIRECT moves it in one piece (nothing copies
+   it, and each piece would be an I/O of its own). */
+#define CHUNK ((size_t)256 * 1024)
+
+/* Fill in the payload sum and then the header sum of a header page. */
+static void seal_header(unsigned char *head, uint32_t payload_sum) {
+    uint64_t sum = payload_sum;
+    memcpy(head + KVB_PAYLOAD_SUM_AT, &sum, KVB_PAYLOAD_SUM_SIZE);
+    uint64_t head_sum = kvtier_crc32c(head, KVB_HEADER_SUM_AT);
+    memcpy(head + KVB_HEADER_SUM_AT, &head_sum, KVB_HEADER_SUM_SIZE);
+}
+
+/* Write body at offset at of fd in chunks, the CRC register c running over each after its
+   write. Returns 0 or -errno (a write that moves nothing: -EIO). */
+static int64_t write_summed(int fd, off_t at, const unsigned char *body, size_t body_n,
+                            uint32_t *c) {
+    for (size_t done = 0, len; done < body_n; done += len) {
+        len = body_n - done < CHUNK ? body_n - done : CHUNK;
+        int64_t r = move_all(fd, 1, at + (off_t)done, NULL, 0, (unsigned char *)body + done, len);
+        if (r < 0) return r;
+        *c = crc_update(*c, body + done, len);
+    }
+    return 0;
+}
+
+/* Read the rest of body (from done on) at offset at + done of fd in chunks, the CRC register
+   c running over each after its read. Returns the bytes of body read in all (fewer at the
+   end of the file) or -errno. */
+static int64_t read_summed(int fd, off_t at, unsigned char *body, size_t done, size_t body_n,
+                           uint32_t *c) {
+    for (size_t len; done < body_n; done += len) {
+        len = body_n - done < CHUNK ? body_n - done : CHUNK;
+        int64_t r = move_all(fd, 0, at + (off_t)done, NULL, 0, body + done, len);
+        if (r < 0) return r;
+        *c = crc_update(*c, body + done, (size_t)r);
+        if ((size_t)r < len) return (int64_t)(done + (size_t)r);
+    }
+    return (int64_t)done;
+}
+
 static void store_one(const struct store_args *a, int64_t i) {
     int64_t head_n = KVB_HEADER_BYTES, body_n = a->body_n;
     a->step[i] = 0; a->noted[i] = 0;
@@ -309,11 +432,13 @@ static void store_one(const struct store_args *a, int64_t i) {
                 a->noted[i] = 1;
         }
     }
-    unsigned char *head = a->heads[i];
-    uint64_t sum = kvtier_crc32c(a->bodies[i], (size_t)body_n);
-    memcpy(head + KVB_PAYLOAD_SUM_AT, &sum, KVB_PAYLOAD_SUM_SIZE);
-    uint64_t head_sum = kvtier_crc32c(head, KVB_HEADER_SUM_AT);
-    memcpy(head + KVB_HEADER_SUM_AT, &head_sum, KVB_HEADER_SUM_SIZE);
+    unsigned char *head = a->heads[i], *body = a->bodies[i];
+    /* Buffered, the kernel's copy of the payload brings it into the cache: write it first,
+       a chunk at a time, and checksum each there, then the header (one cold pass over the
+       block, not two). With O_DIRECT nothing copies it: checksum first, and one write of
+       header and payload. */
+    int direct = (a->flags[i] & O_DIRECT) != 0;
+    if (direct) seal_header(head, ~crc_update(0xFFFFFFFFu, body, (size_t)body_n));
     int fd = open(a->temps[i], O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW | a->flags[i],
                   (mode_t)a->file_mode);
     if (fd < 0) { a->result[i] = -errno; a->step[i] = STEP_OPEN; return; }
@@ -322,7 +447,17 @@ static void store_one(const struct store_args *a, int64_t i) {
         err = -errno; a->step[i] = STEP_OPEN;
     }
     if (!err) {
-        int64_t wrote = move_all(fd, 1, head, (size_t)head_n, a->bodies[i], (size_t)body_n);
+        int64_t wrote;
+        if (direct) {
+            wrote = move_all(fd, 1, 0, head, (size_t)head_n, body, (size_t)body_n);
+        } else {
+            uint32_t c = 0xFFFFFFFFu;
+            wrote = write_summed(fd, (off_t)head_n, body, (size_t)body_n, &c);
+            if (wrote >= 0) {
+                seal_header(head, ~c);
+                wrote = move_all(fd, 1, 0, head, (size_t)head_n, NULL, 0);
+            }
+        }
         if (wrote < 0) { err = (int)wrote; a->step[i] = STEP_WRITE; }
     }
     if (!err && a->do_fsync && fsync(fd) != 0) { err = -errno; a->step[i] = STEP_FSYNC; }
@@ -363,7 +498,16 @@ static void load_one(const struct load_args *a, int64_t i) {
     const unsigned char *want = a->expect + (size_t)KVB_FIELDS_BYTES * (size_t)i;
     struct stat st;
     int have_st = fstat(fd, &st) == 0;
-    int64_t r = move_all(fd, 0, head, (size_t)head_n, body, (size_t)body_n);
+    /* The header and the first piece of the payload in one read (O_DIRECT: all of it). */
+    int direct = (a->flags[i] & O_DIRECT) != 0;
+    size_t first = direct || (size_t)body_n < CHUNK ? (size_t)body_n : CHUNK;
+    int64_t r = move_all(fd, 0, 0, head, (size_t)head_n, body, first);
+    uint32_t c = 0xFFFFFFFFu;
+    if (r == head_n + (int64_t)first) {
+        c = crc_update(c, body, first);
+        int64_t got = read_summed(fd, (off_t)head_n, body, first, (size_t)body_n, &c);
+        r = got < 0 ? got : head_n + got;
+    }
     int res = LOAD_OK;
     uint64_t stored;
     if (r < 0) { res = (int)r; a->step[i] = STEP_READ; }
@@ -378,7 +522,7 @@ static void load_one(const struct load_args *a, int64_t i) {
     else if (KVB_DIFFERS_LENGTH(head, want)) res = LOAD_BAD_LENGTH;
     else if (KVB_DIFFERS_KEY(head, want)) res = LOAD_WRONG_KEY;
     else if (memcpy(&stored, head + KVB_PAYLOAD_SUM_AT, KVB_PAYLOAD_SUM_SIZE),
-             stored != kvtier_crc32c(body, (size_t)body_n)) res = LOAD_BAD_PAYLOAD;
+             stored != (uint64_t)~c) res = LOAD_BAD_PAYLOAD;
     a->got[i] = r < 0 ? 0 : r;
     if (res != LOAD_OK && have_st) { a->dev[i] = st.st_dev; a->ino[i] = st.st_ino; }
     close(fd);
@@ -502,6 +646,25 @@ void kvtier_run(void *pool, int32_t kind, void *args) {
 """
 
 
+def _fold_keys() -> Iterator[str]:
+    """``FOLD_<D>_LO`` and ``FOLD_<D>_HI``: x^(D+32) and x^(D-32) mod P (CRC-32C), bit-reflected
+    over 33 bits, for folding 16-byte lanes D bits forward (``crc_fold``)."""
+    yield "/* CRC-32C folding keys, generated from Python. */"
+    for distance in (2048, 512, 128):
+        for half, power in (("LO", distance + 32), ("HI", distance - 32)):
+            yield f"#define FOLD_{distance}_{half} 0x{_reflected_power(power):x}ULL"
+
+
+def _reflected_power(power: int) -> int:
+    """x^power mod the CRC-32C polynomial, its 33 bits reversed (bit 32 - j holds x^j)."""
+    poly, value = 0x11EDC6F41, 1
+    for _ in range(power):
+        value <<= 1
+        if value >> 32:
+            value ^= poly
+    return int(f"{value:033b}"[::-1], 2)
+
+
 def _c_codes() -> Iterator[str]:
     yield "/* Result codes, steps and batch kinds, generated from Python. */"
     codes = {
@@ -525,4 +688,4 @@ def _c_codes() -> Iterator[str]:
         yield f"#define {name} {value}"
 
 
-SOURCE: Final = "\n".join([_INCLUDES, c_defines(), *_c_codes(), "", _CODE])
+SOURCE: Final = "\n".join([_INCLUDES, c_defines(), *_c_codes(), *_fold_keys(), "", _CODE])

@@ -15,7 +15,10 @@ bytes); or, per `PUBLISH_ORDER`, an anonymous ``O_TMPFILE`` linked in with ``lin
 
 *Probe.* `probe` picks, in a directory, the first way to publish in `PUBLISH_ORDER` that works
 there and whether an aligned O_DIRECT write and read work (older tmpfs, overlayfs and some NFS
-refuse it with ``EINVAL``): the `IoMode` the tier runs with.
+refuse it with ``EINVAL``): the `IoMode` the tier runs with. On a file system whose files live
+in memory (tmpfs, ramfs: `memory_fs`, by ``statfs``) there is no device for O_DIRECT to bypass:
+tmpfs accepts the flag since Linux 6.6 and serves it from the page cache all the same, so the
+probe takes the buffered path there without trying, and says why (``io=buffered(tmpfs)``).
 
 *config.json* (`write_config`) records a namespace's fields next to its blocks, created once,
 atomically; an existing one that differs is warned about, never replaced.
@@ -31,6 +34,7 @@ import json
 import mmap
 import os
 import stat
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -56,6 +60,7 @@ __all__ = [
     "Perms",
     "create_file",
     "make_dirs",
+    "memory_fs",
     "narrow_dir",
     "probe",
     "write_config",
@@ -102,6 +107,13 @@ class IoMode:
 
     direct: bool
     publish: str  # "linkat" (AT_EMPTY_PATH), "proc-linkat" (/proc/self/fd) or "rename"
+    memory: str = ""  # "tmpfs" or "ramfs" when the root's files live in memory
+
+    def describe(self) -> str:
+        """``O_DIRECT``, ``buffered`` or ``buffered(tmpfs)`` (why there is no O_DIRECT)."""
+        if self.direct:
+            return "O_DIRECT"
+        return f"buffered({self.memory})" if self.memory else "buffered"
 
 
 # -- directories -----------------------------------------------------------------------------
@@ -260,7 +272,34 @@ def _linkat(old_dir: int, old: bytes, new_dir: int, new: bytes, flags: int) -> b
 def probe(directory: str, perms: Perms) -> IoMode:
     """How to publish and whether O_DIRECT works, in ``directory``."""
     publish = _probe_publish(directory, perms)
+    memory = memory_fs(directory)
+    if memory:
+        return IoMode(direct=False, publish=publish, memory=memory)
     return IoMode(direct=_probe_direct(directory, publish, perms), publish=publish)
+
+
+# ``statfs`` ``f_type`` of the file systems whose files live in memory (linux/magic.h).
+_MEMORY_FS: Final = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def memory_fs(directory: str) -> str:
+    """``"tmpfs"`` or ``"ramfs"`` when ``directory`` is on one (``statfs``), else ``""``
+    (also when ``statfs`` cannot tell: then the O_DIRECT probe decides)."""
+    if not sys.platform.startswith("linux"):
+        return ""
+    buffer = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on 64-bit Linux)
+    if _libc().statfs(os.fsencode(directory), buffer) != 0:
+        return ""
+    f_type = ctypes.c_long.from_buffer(buffer).value  # the first field, __fsword_t f_type
+    return _MEMORY_FS.get(f_type & 0xFFFFFFFF, "")
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    library = ctypes.CDLL(None, use_errno=True)
+    library.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    library.statfs.restype = ctypes.c_int
+    return library
 
 
 def _probe_publish(directory: str, perms: Perms) -> str:
