@@ -54,6 +54,7 @@ BOUNDS = (
 )
 OUTER_S = 120.0  # a run still going then fails the row
 WAVE = 24  # requests before the fault's end; the rest arrive after it
+PROBE = "probe-"  # requests added after the trace until a block reaches the tier again
 
 
 class RootReplaced(Outage):
@@ -138,12 +139,15 @@ def trial(
             closing = time.monotonic()
             h.close()
             closed = time.monotonic() - closing
-        row.notes.append(f"{len(h.stats.outputs)} requests; shutdown took {closed:.2f} s")
+        outputs = {r: t for r, t in h.stats.outputs.items() if not r.startswith(PROBE)}
+        probes = len(h.stats.outputs) - len(outputs)
+        extra = f" (+{probes} after the trace until a block reached the tier)" if probes else ""
+        row.notes.append(f"{len(outputs)} requests{extra}; shutdown took {closed:.2f} s")
         if closed > CLOSE_BOUND_S:
             row.problems.append(f"shutdown took {closed:.2f} s, bound {CLOSE_BOUND_S:g} s")
-        row.trials = len(h.stats.outputs)
-        wrong = {r for r, tokens in h.stats.outputs.items() if tokens != baseline[r]}
-        if wrong or len(h.stats.outputs) != len(baseline):
+        row.trials = len(outputs)
+        wrong = {r for r, tokens in outputs.items() if tokens != baseline[r]}
+        if wrong or len(outputs) != len(baseline):
             row.problems.append(f"{len(wrong)} requests gave other tokens than without a connector")
         row.problems += h.leaks()
     return row
@@ -188,8 +192,12 @@ def drive(
 ) -> None:
     """The trace, two arrivals per step, with the fault from step `FAULT_AT` for `FAULT_S`
     (and a reset half-way through it); the requests past `WAVE` arrive after it ended. Then
-    steps until no work is pending."""
+    steps until no work is pending and a block reached the tier after the fault (new prompts
+    of their own arrive until then, within the row's recovery bound)."""
+    import vllm_harness as vh
+
     arrivals: Iterator[Any] = iter(trace[:WAVE])
+    rng, probes = random.Random(f"{len(trace)}-probes"), 0
     counters = h.connector.scheduler.ledger.counters[0]
     began = ended = None
     cascaded_at_end = 0
@@ -220,9 +228,16 @@ def drive(
             h.add_request(*item)
         pending = h.has_work() or h.connector.has_pending_push_work()
         if ended is not None and not pending:
-            if row.recovery_s is None:
+            if row.recovery_s is not None:
+                return
+            if now - ended > (row.recovery_bound_s or 0.0):
                 row.problems.append("no block reached the tier after the fault ended")
-            return
+                return
+            # The trace is done but the tier has not taken a block yet (its breaker may wait
+            # for its next probe): new prompts keep coming, as in service, one at a time.
+            probes += 1
+            h.add_request(f"{PROBE}{probes}", vh.random_tokens(rng, 100), 2)
+            pending = True
         if not pending:
             time.sleep(0.005)  # an idle engine core waits for work; it does not spin
         timed_step(calls, h)
