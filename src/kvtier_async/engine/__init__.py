@@ -1,12 +1,13 @@
-"""The async runtime: jobs with awaitable handles, bounded lanes, and the engine that owns them."""
+"""The async runtime: jobs with awaitable handles, bounded lanes, the engine that owns them,
+and the task runner through which the ledger's owner sends tasks and applies results."""
 
 from .engine import Engine, EngineClosed
-from .jobs import CancelledJobError, Job, JobCancelled, JobError, JobHandle, JobResult
+from .jobs import Job, JobCancelled, JobError, JobHandle, JobResult
 from .lane import Executor, Lane, LaneStatistics
+from .runner import TaskRunner
 from .threaded import Deferred, ThreadedEngine
 
 __all__ = [
-    "CancelledJobError",
     "Deferred",
     "Engine",
     "EngineClosed",
@@ -18,5 +19,6 @@ __all__ = [
     "JobResult",
     "Lane",
     "LaneStatistics",
+    "TaskRunner",
     "ThreadedEngine",
 ]
