@@ -526,7 +526,12 @@ class TieredKVCache:
         self._publish()
 
     def has_pending_work(self) -> bool:
-        return self.ledger.has_pending_work() or self.engine.has_pending_work()
+        """Work decided, in flight, or ended with its result not applied yet."""
+        return (
+            self.ledger.has_pending_work()
+            or self.engine.has_pending_work()
+            or self.runner.has_pending_work()
+        )
 
     def stats(self) -> CacheStats:
         ledger = self.ledger
