@@ -40,19 +40,21 @@ class Device:
         return [True] * len(job.keys), 10 * len(job.keys)
 
 
-def job(
-    kind: JobKind = JobKind.STORE,
-    n: int = 1,
-    results: list[JobResult] | None = None,
-    tier: int = -1,
-) -> Job:
-    on_done = results.append if results is not None else None
-    return Job(kind, tuple(bytes([i]) * 8 for i in range(n)), on_done=on_done, tier=tier)
+def job(kind: JobKind = JobKind.STORE, n: int = 1, tier: int = -1) -> Job:
+    return Job(kind, tuple(bytes([i]) * 8 for i in range(n)), tier=tier)
 
 
-def engine(device: Device, *, workers: int = 1, depth: int = 8) -> Engine:
+def engine(
+    device: Device, *, workers: int = 1, depth: int = 8, results: list[JobResult] | None = None
+) -> Engine:
+    """An engine on ``device``; every job's result is appended to ``results``."""
     return Engine(
-        [], lambda slot: memoryview(b""), device=device, device_workers=workers, queue_depth=depth
+        [],
+        lambda slot: memoryview(b""),
+        device=device,
+        device_workers=workers,
+        queue_depth=depth,
+        on_result=results.append if results is not None else None,
     )
 
 
@@ -60,8 +62,8 @@ async def test_await_handle_gives_the_result() -> None:
     device = Device()
     device.gate.set()
     results: list[JobResult] = []
-    async with engine(device) as eng:
-        handle = await eng.submit(job(n=3, results=results))
+    async with engine(device, results=results) as eng:
+        handle = await eng.submit(job(n=3))
         result = await handle
     assert result.ok == (True, True, True) and result.nbytes == 30
     assert handle.done() and results == [result]
@@ -73,8 +75,8 @@ async def test_a_failed_job_raises_and_reports() -> None:
     device.fail_with = OSError("disk on fire")
     device.gate.set()
     results: list[JobResult] = []
-    async with engine(device) as eng:
-        handle = await eng.submit(job(n=2, results=results))
+    async with engine(device, results=results) as eng:
+        handle = await eng.submit(job(n=2))
         with pytest.raises(JobError, match="disk on fire") as info:
             await handle
     assert info.value.result.ok == (False, False)
@@ -121,10 +123,10 @@ async def test_a_full_queue_says_not_now_to_sync_callers_and_waits_async_ones() 
 async def test_cancel_a_queued_job() -> None:
     device = Device()
     results: list[JobResult] = []
-    async with engine(device) as eng:
+    async with engine(device, results=results) as eng:
         busy = await eng.submit(job())
         await device.entered.wait()
-        queued = await eng.submit(job(results=results))
+        queued = await eng.submit(job())
         queued.cancel()
         assert queued.done() and results[0].cancelled
         with pytest.raises(JobCancelled):
@@ -138,8 +140,8 @@ async def test_cancel_a_queued_job() -> None:
 async def test_cancel_a_running_job() -> None:
     device = Device()
     results: list[JobResult] = []
-    async with engine(device) as eng:
-        running = await eng.submit(job(results=results))
+    async with engine(device, results=results) as eng:
+        running = await eng.submit(job())
         await device.entered.wait()
         running.cancel()
         with pytest.raises(JobCancelled):
@@ -150,10 +152,10 @@ async def test_cancel_a_running_job() -> None:
 async def test_closing_the_engine_ends_every_job_as_cancelled() -> None:
     device = Device()
     results: list[JobResult] = []
-    async with engine(device, workers=1) as eng:
-        running = await eng.submit(job(results=results))
+    async with engine(device, workers=1, results=results) as eng:
+        running = await eng.submit(job())
         await device.entered.wait()
-        queued = [await eng.submit(job(results=results)) for _ in range(3)]
+        queued = [await eng.submit(job()) for _ in range(3)]
     assert all(h.done() for h in (running, *queued))
     assert len(results) == 4 and all(r.cancelled for r in results)
     with pytest.raises(EngineClosed):
@@ -238,10 +240,15 @@ async def test_a_long_queue_of_jobs_that_never_await_all_complete() -> None:
         return (True,) * len(job.keys), 0
 
     async with Engine(
-        [], lambda s: memoryview(b""), device=noop, device_workers=1, queue_depth=512
+        [],
+        lambda s: memoryview(b""),
+        device=noop,
+        device_workers=1,
+        queue_depth=512,
+        on_result=results.append,
     ) as eng:
         for _ in range(300):
-            await eng.submit(job(results=results))
+            await eng.submit(job())
         with anyio.fail_after(10):
             await eng.drain()
     assert len(results) == 300 and all(r.ok == (True,) for r in results)

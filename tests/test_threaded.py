@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvtier_async.engine import Deferred, Engine, Job, JobResult, ThreadedEngine
+from kvtier_async.engine import Deferred, Engine, Job, JobResult, TaskRunner, ThreadedEngine
 from kvtier_async.ledger import JobKind, LookupResult, PrimaryLedger, TieringLedger
 from kvtier_async.tiers.base import TierContext
 from kvtier_async.tiers.memory import MemoryTier
@@ -93,22 +93,18 @@ def test_a_scheduler_thread_owns_the_ledger() -> None:
     tier = MemoryTier("mem", TierContext(block_bytes=4096))
     memory = [bytearray(4096) for _ in range(4)]
     ledger = TieringLedger(PrimaryLedger(4), ["mem"])
+    runner = TaskRunner(ledger, [tier])
     key = b"\x01" * 12
 
     def make() -> Engine:
         return Engine([tier], lambda slot: memoryview(memory[slot]))
 
     def step(threaded: ThreadedEngine) -> None:
-        tasks = {t.task_id: t for t in ledger.take_tasks()}
-        jobs = {}
-        for task in tasks.values():
-            jobs[task.task_id] = Job(task.kind, task.keys, task.slot_ids, tier=task.tier)
-        threaded.submit(jobs.values())
+        threaded.submit(runner.take_jobs())
         threaded.drain(timeout_s=10)
-        by_job = {job.job_id: task_id for task_id, job in jobs.items()}
-        for result in threaded.poll():
-            assert isinstance(result, JobResult)
-            ledger.apply(by_job[result.job_id], result.ok)
+        results = threaded.poll()
+        assert all(isinstance(result, JobResult) for result in results)
+        runner.collect(results)
 
     with ThreadedEngine(make) as threaded:
         out = ledger.prepare_store([key], "r")

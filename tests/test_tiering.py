@@ -122,6 +122,22 @@ def test_tiers_are_asked_in_order() -> None:
     assert promote.tier == 1
 
 
+def test_walk_prefix_counts_leading_hits_and_says_what_is_on_its_way() -> None:
+    led = tiering()
+    store(led, [1, 2, 4])
+    apply_all(led, led.take_tasks())  # cascades: [1, 2, 4] are in the tier too
+    # [1, 2] hit; 3 has no answer yet; 4 hits but follows a pending key: not counted
+    assert led.walk_prefix("r", [ks(1, 2, 3, 4)]) == (2, True)
+    answer_lookups(led, set())  # 3 is nowhere
+    assert led.walk_prefix("r", [ks(1, 2, 3, 4)]) == (2, False)  # the walk stops at 3
+    # two KV-cache groups: a position is a hit when both of its keys are
+    assert led.walk_prefix("r", [ks(1, 2), ks(4, 1)]) == (2, False)
+    assert led.walk_prefix("r", [ks(1, 2), ks(4, 3)]) == (1, False)  # 3 misses
+    # a pending key in one group makes the position pending; every group's key is asked
+    assert led.walk_prefix("r", [ks(1, 5, 2), ks(4, 1, 6)]) == (1, True)
+    assert {t.keys for t in led.take_tasks()} == {(k(5), k(6))}  # one lookup batch, both
+
+
 def test_promotions_batch_per_tier_and_request_and_share_keys() -> None:
     led = tiering()
     for key in ks(1, 2, 3):

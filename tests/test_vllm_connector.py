@@ -123,6 +123,51 @@ def test_promotion_from_fs_after_the_cpu_tier_evicted_them(tmp_path: Path) -> No
         h.assert_no_leaks()
 
 
+def test_a_damaged_fs_block_is_not_loaded_and_its_removal_is_announced(tmp_path: Path) -> None:
+    """A block file of the prefix rots in the fs tier. The promotion that reads it fails
+    verification and the tier deletes it; the scheduler applies that removal with the
+    promotion's result: the ledger announces it (a STORAGE removal, vLLM's BlockRemoved) and
+    the request loads only the blocks before it (the rest is recomputed)."""
+    from kvtier_async.ledger import make_offload_key
+    from kvtier_async.tiers.blockfile import block_relpath
+    from kvtier_async.tiers.fs import FsTier
+
+    fs = {"type": "fs", "root_dir": str(tmp_path / "kv")}
+    prefix = random_tokens(random.Random(13), 100)
+    config = ours(secondary_tiers=[fs], cpu_bytes_to_use=8 * 4096)
+    with vh.VllmHarness(num_gpu_blocks=40, **config) as h:
+        scheduler = h.connector.scheduler
+        (tier,) = scheduler._threaded.engine.tiers
+        assert isinstance(tier, FsTier)
+        events: list[Any] = []
+        take_events = scheduler.ledger.take_events
+
+        def recorded() -> list[Any]:
+            taken = take_events()
+            events.extend(taken)
+            return taken
+
+        scheduler.ledger.take_events = recorded  # what vLLM's scheduler takes, each step
+        first = h.add_request("first", [*prefix, 5], max_tokens=2)
+        h.run_until_done()
+        evict_gpu_prefix_cache(h)
+        assert ledger(h).counters[0].cascaded >= 6
+        damaged = make_offload_key(bytes(first.block_hashes[2]), 0)
+        path = Path(tier.root_dir) / block_relpath(tier.ctx, damaged)
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF  # one byte of the KV payload
+        path.write_bytes(data)
+        h.add_request("second", [*prefix, 6], max_tokens=2)
+        h.run_until_done()
+        assert h.stats.external_hit_tokens == 2 * 16  # the blocks before the damaged one
+        assert tier.statistics().removed_damaged == 1
+        assert path.read_bytes() != data  # deleted; stored again when it was recomputed
+        removals = [e for e in events if e.removed and e.tier == tier.name]
+        assert [e.keys for e in removals] == [[damaged]]
+        assert tier.take_removed() == []  # the scheduler took it
+        h.assert_no_leaks()
+
+
 def store_then_restart(tier: dict[str, Any], model: Path, seed: int) -> None:
     """A request's prefix is cascaded to ``tier``; a new scheduler and worker (a new, empty
     CPU tier) on the same tier load all 6 of its blocks from there."""

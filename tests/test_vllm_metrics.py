@@ -331,10 +331,6 @@ def test_events_of_a_store_cascade_eviction_promotion_and_reset(tmp_path: Path) 
         assert len(stored_in(got, "CPU")) == 3  # then the new request's blocks
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the connector's scheduler applies the tiers' take_removed (branch runner)",
-)
 def test_a_block_the_fs_gc_deletes_is_announced(tmp_path: Path) -> None:
     # max_bytes for 10 block files (header + payload each): the fillers' cascades make the
     # fs tier delete the oldest files, the prefix's among them

@@ -7,9 +7,13 @@
         await cache.load(keys[:n], dst_blocks)  # CPU -> device
         await cache.store(keys[n:], src_blocks) # device -> CPU, then cascaded to every tier
 
-The event loop's thread owns the ledger: job results are applied by their ``on_done``
-callbacks, which the engine runs in the loop. A block is any buffer of ``block_bytes`` bytes:
-a contiguous torch tensor (CPU here, or CUDA), a numpy array, a bytearray.
+The event loop's thread owns the ledger. The ledger decides, the engine executes, the owner
+applies: a lane's worker only queues a job's result (the engine's ``on_result`` is
+`TaskRunner.deliver`), and the runner's owner task applies it (`TaskRunner.apply`, the one
+place results reach the ledger), or a call that needs its own result applied first (a store,
+a load) does it on its way out, in the same order. An error while applying is logged and
+stops nothing. A block is any buffer of ``block_bytes`` bytes: a contiguous torch tensor
+(CPU here, or CUDA), a numpy array, a bytearray.
 
 Requests. A call without ``req`` is a request of its own: nothing of it outlives the call.
 Calls that belong together (a prompt's lookup, load and store) name one request, either with
@@ -34,7 +38,6 @@ is left (logging how many jobs, on which lanes), and each tier closes within its
 
 from __future__ import annotations
 
-import functools
 import os
 import secrets
 from collections.abc import Hashable, Mapping, Sequence
@@ -48,17 +51,16 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from kvtier_async._log import get_logger
 from kvtier_async.config import ConfigError, Section, config_mappings
-from kvtier_async.engine import Engine, Job, JobError, JobResult, LaneStatistics
+from kvtier_async.engine import Engine, Job, JobError, JobResult, LaneStatistics, TaskRunner
 from kvtier_async.events import KVEvent, to_kv_events
 from kvtier_async.ledger import (
     JobKind,
     LedgerStatistics,
-    LookupResult,
     PrimaryLedger,
     TierCounters,
     TieringLedger,
 )
-from kvtier_async.ledger.tiering import StorePolicy, TierTask
+from kvtier_async.ledger.tiering import StorePolicy
 from kvtier_async.memory import SharedRegion, close_region
 from kvtier_async.metrics import CacheCollector, Samples, samples, summary
 from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics, make_tier
@@ -189,6 +191,7 @@ class TieredKVCache:
         self._engine: Engine | None = None
         self._tiers: list[SecondaryTier] = []
         self._ledger: TieringLedger | None = None
+        self._runner: TaskRunner | None = None
         self._progress = anyio.Event()
         self._lookups = self._lookup_hits = 0
         self._listeners: list[MemoryObjectSendStream[KVEvent]] = []
@@ -217,18 +220,25 @@ class TieredKVCache:
                 primary, [t.name for t in tiers], store_policy=cfg.store_policy
             )
             self._ledger.events_enabled = False  # on while somebody listens: see `events`
+            runner = TaskRunner(self._ledger, tiers, on_applied=self._applied)
             engine = Engine(
                 tiers,
                 self._block_view,
                 device=self._copy,
                 device_workers=cfg.device_workers,
                 queue_depth=cfg.queue_depth,
+                on_result=runner.deliver,
             )
-            await engine.__aenter__()
+            await runner.__aenter__()
+            try:
+                await engine.__aenter__()
+            except BaseException:
+                await runner.__aexit__(None, None, None)
+                raise
         except BaseException:
             await self._close_region()
             raise
-        self._engine, self._tiers = engine, tiers
+        self._runner, self._engine, self._tiers = runner, engine, tiers
         return self
 
     async def __aexit__(
@@ -239,7 +249,7 @@ class TieredKVCache:
     ) -> None:
         """Drain (cascades finish) on a clean exit, for at most ``close_timeout_s``; on an
         error, or then, cancel what is in flight."""
-        engine = self._engine
+        engine, runner = self._engine, self._runner
         try:
             if engine is not None and exc_type is None:
                 with anyio.move_on_after(self.config.close_timeout_s) as drained:
@@ -252,9 +262,13 @@ class TieredKVCache:
                 if engine is not None:  # always: its task group was entered in this task
                     await engine.__aexit__(exc_type, exc, tb)
             finally:
-                if engine is not None and self._ledger is not None:
-                    self._final_stats = self._stats(engine)
-                await self._close_region()
+                try:
+                    if runner is not None:  # then the results of the jobs cancelled last
+                        await runner.__aexit__(exc_type, exc, tb)
+                finally:
+                    if engine is not None and self._ledger is not None:
+                        self._final_stats = self._stats(engine)
+                    await self._close_region()
 
     async def _close_region(self) -> None:
         region, self._region = self._region, None
@@ -287,6 +301,12 @@ class TieredKVCache:
             raise RuntimeError("the cache is not open: use `async with TieredKVCache(...)`")
 
     @property
+    def runner(self) -> TaskRunner:
+        self._require_open()
+        assert self._runner is not None
+        return self._runner
+
+    @property
     def tiers(self) -> list[SecondaryTier]:
         self._require_open()
         return self._tiers
@@ -304,7 +324,7 @@ class TieredKVCache:
         try:
             while True:
                 progress = self._progress
-                hits, pending = self._walk(keys, token)
+                hits, pending = self.ledger.walk_prefix(token, [keys])
                 if not pending:
                     self._lookups += len(keys)
                     self._lookup_hits += hits
@@ -316,48 +336,19 @@ class TieredKVCache:
                 self.ledger.request_finished(token)
             self._publish()
 
-    def _walk(self, keys: Sequence[bytes], token: Hashable) -> tuple[int, bool]:
-        """Leading HITs, and whether a key before the first MISS is still on its way."""
-        hits, pending, lookup = 0, False, self.ledger.lookup
-        for key in keys:
-            result = lookup(key, token)
-            if result is LookupResult.MISS:
-                break
-            if result is LookupResult.HIT:
-                hits += not pending
-            else:
-                pending = True
-        return hits, pending
-
     async def flush(self) -> None:
         """Submit the work the ledger decided (promotions, lookups, cascades)."""
-        tasks = self.ledger.take_tasks()
-        for index, task in enumerate(tasks):
+        jobs = self.runner.take_jobs()
+        for index, job in enumerate(jobs):
             try:
-                await self.engine.submit(self._job(task))
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    for undone in tasks[index:]:  # nothing queued: give back what they hold
-                        self._apply_task(undone, None)
+                await self.engine.submit(job)
+            except BaseException as exc:
+                # Nothing of these was queued: give back what their tasks hold.
+                self.runner.abandon(jobs[index:], exc)
                 raise
 
-    def _job(self, task: TierTask) -> Job:
-        return Job(
-            task.kind,
-            task.keys,
-            task.slot_ids,
-            tier=task.tier,
-            on_done=functools.partial(self._apply_task, task),
-        )
-
-    def _apply_task(self, task: TierTask, result: JobResult | None) -> None:
-        """Apply a tier job's result; None: it never ran (every key failed). Blocks the
-        tier deleted by itself meanwhile (damaged, or its GC) are forgotten."""
-        ok = result.ok if result is not None else (False,) * len(task.keys)
-        self.ledger.apply(task.task_id, ok)
-        engine = self._engine
-        if engine is not None:
-            self.ledger.tier_removed(task.tier, engine.tiers[task.tier].take_removed())
+    def _applied(self) -> None:
+        """After the runner applied results: wake the lookups waiting, publish events."""
         self._signal()
         self._publish()
 
@@ -426,21 +417,11 @@ class TieredKVCache:
         if stored:
             position = {key: i for i, key in enumerate(keys)}
             payload = (out.store_spec.slot_ids, [views[position[key]] for key in stored])
-            result = await self._run(
-                Job(JobKind.STORE, tuple(stored), payload, on_done=self._stored), self._fail_store
-            )
+            result = await self._run(Job(JobKind.STORE, tuple(stored), payload))
             stored = result.succeeded
         await self.flush()
         self._publish()
         return StoreResult(stored, len(set(keys)) - len(out.keys_to_store))
-
-    def _stored(self, result: JobResult) -> None:
-        self.ledger.complete_store(result.succeeded, True)
-        self.ledger.complete_store(result.failed, False)
-        self._signal()
-
-    def _fail_store(self, job: Job) -> None:
-        self.ledger.complete_store(job.keys, False)
 
     async def load(
         self, keys: Sequence[bytes], blocks: Sequence[Any], req: Hashable | None = None
@@ -453,35 +434,29 @@ class TieredKVCache:
         if not keys:
             return 0
         slots = self.ledger.prepare_load(keys, req)  # a reuse (None: by a call of its own)
-        job = Job(JobKind.LOAD, tuple(keys), (slots, views), on_done=self._loaded)
-        result = await self._run(job, self._fail_load)
+        result = await self._run(Job(JobKind.LOAD, tuple(keys), (slots, views)))
         return sum(result.ok)
 
-    def _loaded(self, result: JobResult) -> None:
-        self.ledger.complete_load(result.keys)
-        self._signal()
-
-    def _fail_load(self, job: Job) -> None:
-        self.ledger.complete_load(job.keys)
-
-    async def _run(self, job: Job, give_back: Any) -> JobResult:
-        """Submit and await a device job; whatever happens, its ``on_done`` or
-        ``give_back`` releases what the ledger reserved for it.
+    async def _run(self, job: Job) -> JobResult:
+        """Submit and await a device job, and apply its result before returning (so a
+        store's blocks are readable, a load's pins released). Whatever happens, its result
+        (or, if it was never queued, its failure) releases what the ledger reserved for it.
 
         The job holds views of the caller's blocks: when the caller is cancelled, the job is
         cancelled and awaited (shielded) before the cancellation goes on, so nothing of ours
         reads or writes the caller's memory once the call has returned. A host copy checks
         for cancellation between pieces of a few MiB and a device copy is one short DMA
         (`kvtier_async.transfer.blocks`), so this wait is short."""
+        runner = self.runner
         try:
             handle = await self.engine.submit(job)
-        except BaseException:
-            give_back(job)
+        except BaseException as exc:
+            runner.abandon([job], exc)
             raise
         try:
-            return await handle
+            result = await handle
         except JobError as exc:
-            return exc.result
+            result = exc.result
         except BaseException:
             handle.cancel()
             with anyio.CancelScope(shield=True), anyio.move_on_after(_LET_GO_S) as waited:
@@ -494,6 +469,8 @@ class TieredKVCache:
                     waited_s=_LET_GO_S,
                 )
             raise
+        runner.apply_delivered()  # this result, and any delivered before it
+        return result
 
     # --- device copies (the device lane's executor) ------------------------------------
 
@@ -519,6 +496,7 @@ class TieredKVCache:
         while True:
             await self.flush()
             await self.engine.drain()
+            self.runner.apply_delivered()  # what ended since the owner task's last turn
             if not self.ledger.has_pending_work():
                 return
 
@@ -530,7 +508,12 @@ class TieredKVCache:
         self._publish()
 
     def has_pending_work(self) -> bool:
-        return self.ledger.has_pending_work() or self.engine.has_pending_work()
+        """Work decided, in flight, or ended with its result not applied yet."""
+        return (
+            self.ledger.has_pending_work()
+            or self.engine.has_pending_work()
+            or self.runner.has_pending_work()
+        )
 
     def stats(self) -> CacheStats:
         """The cache's figures now (`CacheStats`; ``str()`` of it is a short summary).

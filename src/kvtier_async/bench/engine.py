@@ -6,8 +6,8 @@ receive + ``Event.set``) measured in the same run: jobs per second with a full p
 submit-to-complete latency of one job at a time (p50, p99).
 
 ``sched_thread``: a synchronous owner on its own thread (as vLLM's scheduler) drives the
-engine through `ThreadedEngine` while a secondary tier's lookups take 100 ms: the p99 of its
-lookup, submit and poll calls, against the 50 us budget.
+engine through `ThreadedEngine` and a `TaskRunner` while a secondary tier's lookups take
+100 ms: the p99 of its lookup, submit and poll calls, against the 50 us budget.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from kvtier_async.engine import Engine, Job, JobResult, ThreadedEngine
+from kvtier_async.engine import Engine, Job, JobResult, TaskRunner, ThreadedEngine
 from kvtier_async.ledger import JobKind, PrimaryLedger, TieringLedger, make_offload_key
 from kvtier_async.tiers.base import TierContext
 from kvtier_async.tiers.memory import MemoryTier
@@ -52,19 +52,21 @@ async def _engine_figures(n_rate: int, n_latency: int) -> _Figures:
     async def noop(job: Job) -> tuple[Sequence[bool], int]:
         return ok, 0
 
-    async with Engine([], _no_memory, device=noop, device_workers=1, queue_depth=DEPTH) as eng:
-        done = anyio.Event()
-        count = [0]
+    done = anyio.Event()
+    count = [0]
 
-        def finished(_result: JobResult) -> None:
-            count[0] += 1
-            if count[0] == n_rate:
-                done.set()
+    def finished(_result: JobResult) -> None:
+        count[0] += 1
+        if count[0] == n_rate:
+            done.set()
 
+    async with Engine(
+        [], _no_memory, device=noop, device_workers=1, queue_depth=DEPTH, on_result=finished
+    ) as eng:
         keys = (b"k" * 12,)
         start = time.perf_counter()
         for _ in range(n_rate):
-            await eng.submit(Job(JobKind.STORE, keys, on_done=finished))
+            await eng.submit(Job(JobKind.STORE, keys))
         await done.wait()
         rate = n_rate / (time.perf_counter() - start)
         samples = []
@@ -188,10 +190,10 @@ def _sched_thread(steps: int) -> list[BenchRecord]:
     def make() -> Engine:
         return Engine([tier], lambda slot: memoryview(memory))
 
+    runner = TaskRunner(ledger, [tier])
     with ThreadedEngine(make) as threaded:
-        jobs: dict[int, int] = {}
         for step in range(steps):
-            _one_step(step, ledger, threaded, jobs, timings)
+            _one_step(step, runner, threaded, timings)
         threaded.drain(timeout_s=30)
     return [
         latency_record(
@@ -209,13 +211,9 @@ def _sched_thread(steps: int) -> list[BenchRecord]:
 
 
 def _one_step(
-    step: int,
-    ledger: TieringLedger,
-    threaded: ThreadedEngine,
-    jobs: dict[int, int],
-    timings: dict[str, list[float]],
+    step: int, runner: TaskRunner, threaded: ThreadedEngine, timings: dict[str, list[float]]
 ) -> None:
-    clock = time.perf_counter
+    clock, ledger = time.perf_counter, runner.ledger
     req = f"req{step}"
     for i in range(4):
         key = make_offload_key(step.to_bytes(8, "big"), i)
@@ -226,17 +224,10 @@ def _one_step(
     tasks = ledger.take_tasks()
     timings["take_tasks"].append(clock() - t0)
     t0 = clock()
-    batch = []
-    for task in tasks:
-        job = Job(task.kind, task.keys, task.slot_ids, tier=task.tier)
-        jobs[job.job_id] = task.task_id
-        batch.append(job)
-    threaded.submit(batch, wake=False)
+    threaded.submit(runner.jobs(tasks), wake=False)
     timings["submit"].append(clock() - t0)
     t0 = clock()
-    for result in threaded.poll():
-        if isinstance(result, JobResult):
-            ledger.apply(jobs.pop(result.job_id), result.ok)
+    runner.collect(threaded.poll())
     timings["poll"].append(clock() - t0)
     ledger.request_finished(req)
     t0 = clock()

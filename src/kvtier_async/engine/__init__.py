@@ -1,13 +1,14 @@
-"""The async runtime: jobs with awaitable handles, bounded lanes, and the engine that owns them."""
+"""The async runtime: jobs with awaitable handles, bounded lanes, the engine that owns them,
+and the task runner through which the ledger's owner sends tasks and applies results."""
 
 from .backend import TierBackend
 from .engine import Engine, EngineClosed
-from .jobs import CancelledJobError, Job, JobCancelled, JobError, JobHandle, JobResult
+from .jobs import Job, JobCancelled, JobError, JobHandle, JobResult
 from .lane import Executor, KindTally, Lane, LaneStatistics
+from .runner import TaskRunner
 from .threaded import Deferred, ThreadedEngine
 
 __all__ = [
-    "CancelledJobError",
     "Deferred",
     "Engine",
     "EngineClosed",
@@ -20,6 +21,7 @@ __all__ = [
     "KindTally",
     "Lane",
     "LaneStatistics",
+    "TaskRunner",
     "ThreadedEngine",
     "TierBackend",
 ]

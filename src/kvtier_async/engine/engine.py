@@ -3,13 +3,16 @@
 ``async with Engine(...)`` opens the tiers, starts each lane's workers with
 ``await tg.start(...)`` and, on exit, cancels the task group: a running job ends as a
 cancelled result at its next checkpoint (a thread call finishes first: anyio does not
-abandon threads), every queued job ends as cancelled, and each result's ``on_done`` runs, so
-the ledger's owner releases every pin and reservation. Call `drain` first for a graceful
-close that lets the work in flight finish.
+abandon threads), every queued job ends as cancelled, and each result reaches
+``on_result``, so the ledger's owner releases every pin and reservation. Call `drain` first
+for a graceful close that lets the work in flight finish.
 
 Tiers are `TierBackend`s (every `kvtier_async.tiers` tier is one): the engine never
 imports the tiers package. The engine never touches a ledger. It runs jobs and hands each
-`JobResult` to the job's ``on_done`` callback, in the event loop's thread.
+`JobResult`, once, in the event loop's thread, to one sink: ``on_result``. The sink only hands
+the result over (the async API queues it for its owner task, `ThreadedEngine` puts it in its
+outbox); the owner applies it with `kvtier_async.engine.runner.TaskRunner.apply`, never in a
+lane's worker.
 """
 
 from __future__ import annotations
@@ -49,8 +52,10 @@ class Engine:
         device: Executor | None = None,
         device_workers: int = 2,
         queue_depth: int = 256,
+        on_result: Callable[[JobResult], None] | None = None,
     ) -> None:
         self.tiers = list(tiers)
+        self.on_result = on_result  # every job's result, once (must only hand it over)
         self._block_view = block_view
         self._device = device
         self._device_workers = device_workers
@@ -192,10 +197,12 @@ class Engine:
             self._idle = anyio.Event()
         self._inflight += 1
 
-    def _job_done(self, _result: JobResult) -> None:
+    def _job_done(self, result: JobResult) -> None:
         self._inflight -= 1
         if self._inflight == 0:
             self._idle.set()
+        if self.on_result is not None:
+            self.on_result(result)
 
     # --- state -------------------------------------------------------------------------
 

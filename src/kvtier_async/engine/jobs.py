@@ -1,9 +1,12 @@
 """Jobs: one type for every transfer, cascade, promotion and lookup, with an awaitable handle.
 
-A `Job` is plain data plus the callback that applies its result (``on_done``). The engine
-runs it on a lane and resolves its `JobHandle` exactly once, with a `JobResult` that lists
-per key whether it succeeded. ``await handle`` returns that result, or raises `JobError`
-when the job failed as a whole (its error, or `JobCancelled`).
+A `Job` is plain data: what to move, and for a tier job the ledger tasks it carries
+(``tasks``, made by `kvtier_async.engine.runner.TaskRunner`). The engine runs it on a lane
+and resolves its `JobHandle` exactly once, with a `JobResult` that lists per key whether it
+succeeded and carries the tasks back. The result then takes one path: the engine's
+``on_result`` sink (`Engine`), which hands it to the ledger's owner; nothing here applies
+it. ``await handle`` returns that result, or raises `JobError` when the job failed as a
+whole (its error, or `JobCancelled`).
 """
 
 from __future__ import annotations
@@ -17,10 +20,9 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from kvtier_async.ledger import JobKind
+from kvtier_async.ledger import JobKind, TierTask
 
 __all__ = [
-    "CancelledJobError",
     "Job",
     "JobCancelled",
     "JobError",
@@ -34,13 +36,14 @@ _job_ids = itertools.count(1)
 
 @dataclass(eq=False, slots=True)
 class Job:
-    """Work for one lane. ``payload`` is the lane executor's business (specs, slot ids)."""
+    """Work for one lane. ``payload`` is the lane executor's business (specs, slot ids).
+    ``tasks``: the ledger tasks a tier job carries, their keys in ``keys``' order."""
 
     kind: JobKind
     keys: tuple[bytes, ...]
     payload: Any = None
     tier: int = -1  # secondary tier index; -1 for device transfers
-    on_done: Callable[[JobResult], None] | None = None
+    tasks: tuple[TierTask, ...] = ()
     job_id: int = field(default_factory=_job_ids.__next__)
     submitted_at: float = field(default_factory=time.perf_counter)
 
@@ -48,7 +51,9 @@ class Job:
 @dataclass(slots=True)
 class JobResult:
     """How a job ended. ``ok[i]`` says whether ``keys[i]`` succeeded (for a lookup: whether
-    the key is present). ``error`` is set when the whole job failed; then ``ok`` is all False."""
+    the key is present). ``error`` is set when the whole job failed; then ``ok`` is all False
+    (a cancelled job's error is a `JobCancelled`, unless it never found a place to run).
+    ``tasks``: the job's ledger tasks, for the owner that applies the result."""
 
     job_id: int
     kind: JobKind
@@ -59,6 +64,7 @@ class JobResult:
     run_s: float = 0.0
     error: BaseException | None = None
     cancelled: bool = False
+    tasks: tuple[TierTask, ...] = ()
 
     @property
     def succeeded(self) -> list[bytes]:
@@ -69,26 +75,28 @@ class JobResult:
         return [key for key, ok in zip(self.keys, self.ok) if not ok]
 
     @classmethod
-    def failure(cls, job: Job, error: BaseException, *, cancelled: bool = False) -> JobResult:
-        return cls(
+    def failure(
+        cls, job: Job, error: BaseException | None, *, cancelled: bool = False
+    ) -> JobResult:
+        """``job`` failed whole with ``error``; None: it was cancelled (the error is then
+        a `JobCancelled` naming this result)."""
+        result = cls(
             job.job_id,
             job.kind,
             job.keys,
             (False,) * len(job.keys),
             error=error,
-            cancelled=cancelled,
+            cancelled=cancelled or error is None,
             queued_s=time.perf_counter() - job.submitted_at,
+            tasks=job.tasks,
         )
+        if error is None:
+            result.error = JobCancelled(result)
+        return result
 
     @classmethod
     def cancelled_result(cls, job: Job) -> JobResult:
-        return cls.failure(
-            job, CancelledJobError(f"job {job.job_id} was cancelled"), cancelled=True
-        )
-
-
-class CancelledJobError(Exception):
-    """The ``error`` of a cancelled job's result."""
+        return cls.failure(job, None)
 
 
 class JobError(Exception):
@@ -100,7 +108,12 @@ class JobError(Exception):
 
 
 class JobCancelled(JobError):
-    """The job was cancelled (by `JobHandle.cancel` or because the engine closed)."""
+    """The job was cancelled (by `JobHandle.cancel` or because the engine closed): raised by
+    the handle, and the ``error`` of the cancelled job's result."""
+
+    def __init__(self, result: JobResult) -> None:
+        Exception.__init__(self, f"{result.kind.value} job {result.job_id} was cancelled")
+        self.result = result
 
 
 class JobHandle:
@@ -128,7 +141,8 @@ class JobHandle:
 
     def cancel(self) -> None:
         """Cancel the job: a queued job ends now, a running one at its next checkpoint.
-        Either way it ends as a cancelled result whose ``on_done`` releases what it held."""
+        Either way it ends as a cancelled result, which the owner applies like any other
+        (releasing what the job held)."""
         if self._scope is not None:
             self._scope.cancel()
         elif self._result is None:
@@ -155,14 +169,13 @@ class JobHandle:
         return self.wait().__await__()
 
     def _resolve(self, result: JobResult) -> bool:
-        """Record the result and run ``on_done``; False if it was resolved already."""
+        """Record the result and hand it to ``notify`` (the engine, which passes it on to
+        its ``on_result``); False if it was resolved already."""
         if self._result is not None:
             return False
         self._result = result
         if self._event is not None:
             self._event.set()
-        if self.job.on_done is not None:
-            self.job.on_done(result)
         if self._notify is not None:
             self._notify(result)
         return True

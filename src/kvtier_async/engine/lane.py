@@ -204,6 +204,7 @@ class Lane:
             nbytes,
             queued_s=start - job.submitted_at,
             run_s=now - start,
+            tasks=job.tasks,
         )
 
     def _finish(self, handle: JobHandle, result: JobResult, start: float) -> None:

@@ -5,9 +5,10 @@ vLLM's scheduler thread owns the ledger and must never wait on I/O. It hands job
 releases a `threading.Lock` that a worker thread of the loop waits on (``to_thread``, so any
 anyio backend works). The pump task in the loop then queues the jobs with ``submit_nowait``.
 A full queue answers "not now": the job comes back from `poll` as `Deferred` and the owner
-offers it again next step. Every job's result lands in a thread-safe outbox that the owner
-drains with `poll` at the points of its step where it applies results. Only `flush`,
-`drain` and `close` block.
+offers it again next step. Every job's result lands in a thread-safe outbox (the engine's
+``on_result``) that the owner drains with `poll` at the points of its step where it applies
+results (`kvtier_async.engine.runner.TaskRunner.collect`). Only `flush`, `drain` and
+`close` block.
 
 *Why a lock, not a socket.* Releasing a lock does not release the GIL; a ``send`` on a
 socket (any system call made through Python) does, and the loop thread, woken by that very
@@ -91,6 +92,9 @@ class ThreadedEngine:
         with contextlib.ExitStack() as stack:
             portal = stack.enter_context(start_blocking_portal(self._backend))
             engine = portal.call(self._make_engine)
+            if engine.on_result is not None:
+                raise ValueError("make_engine: its results go to the outbox; set no on_result")
+            engine.on_result = self._outbox.put
             stack.enter_context(portal.wrap_async_context_manager(engine))
             pump = portal.start_task_soon(self._pump, engine)
             stack.callback(pump.cancel)
@@ -119,8 +123,8 @@ class ThreadedEngine:
     # --- owner's side (any one thread) ------------------------------------------------
 
     def submit(self, jobs: Iterable[Job], *, wake: bool = True) -> None:
-        """Hand jobs to the engine without waiting; each one's result comes out of `poll`
-        (its ``on_done`` is replaced). With ``wake=False`` they wait in the inbox for the
+        """Hand jobs to the engine without waiting; each one's result comes out of `poll`.
+        With ``wake=False`` they wait in the inbox for the
         next `wake`: a scheduler queues during its step and wakes the loop once at the end,
         when it is about to wait for the model anyway (waking the loop mid-step makes the
         two threads fight for the GIL)."""
@@ -129,8 +133,6 @@ class ThreadedEngine:
             return
         if self._portal is None:
             raise EngineClosed("the threaded engine is not running")
-        for job in batch:
-            job.on_done = self._outbox.put
         self._inbox.put(batch)
         if wake:
             self.wake()
@@ -236,7 +238,7 @@ class ThreadedEngine:
     def _fail(self, job: Job, error: BaseException, *, cancelled: bool = False) -> None:
         """End a job the engine never took: its failure goes out through an ended handle,
         so that a flush sees it ended."""
-        handle = JobHandle(job)
+        handle = JobHandle(job, self._outbox.put)
         self._accepted[job.job_id] = handle
         handle._resolve(JobResult.failure(job, error, cancelled=cancelled))
 
@@ -244,8 +246,6 @@ class ThreadedEngine:
         assert self.engine is not None
         engine = self.engine
         wanted = {job.job_id: job for job in jobs}
-        for job in jobs:
-            job.on_done = self._outbox.put
         self._flushing = wanted
         try:
             self._take_inbox(engine)  # jobs handed over earlier go first, in order

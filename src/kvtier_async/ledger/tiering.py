@@ -195,6 +195,36 @@ class TieringLedger:
                 return self._promote(index, key, req)
         return LookupResult.RETRY if retry else LookupResult.MISS
 
+    def walk_prefix(self, req: Hashable, groups: Sequence[Sequence[bytes]]) -> tuple[int, bool]:
+        """`lookup` along a prefix, head first, for request ``req``: position ``i`` is the
+        key ``groups[g][i]`` of each KV-cache group ``g`` (one group: ``[keys]``). Returns
+        how many leading positions are a HIT in every group, and whether a position before
+        the first MISS (in any group) is still on its way: RETRY or HIT_PENDING, to ask
+        again once the tasks `take_tasks` hands out were applied. Positions after a pending
+        one are still looked up, up to that MISS, so their probes and promotions start now
+        (and are batched); at a position every group's key is looked up."""
+        hits, pending, lookup = 0, False, self.lookup
+        hit, miss = LookupResult.HIT, LookupResult.MISS
+        if len(groups) == 1:  # the common case: no list per position
+            for key in groups[0]:
+                result = lookup(key, req)
+                if result is miss:
+                    break
+                if result is hit:
+                    hits += not pending
+                else:
+                    pending = True
+            return hits, pending
+        for keys in zip(*groups):
+            results = [lookup(key, req) for key in keys]
+            if miss in results:
+                break
+            if all(r is hit for r in results):
+                hits += not pending
+            else:
+                pending = True
+        return hits, pending
+
     def _promote(self, tier: int, key: bytes, req: Hashable) -> LookupResult:
         # vLLM's tiering manager reserves the slot with the CPU manager's own prepare_store
         # and the request's context: the key is a store miss and an insertion of ``req``.

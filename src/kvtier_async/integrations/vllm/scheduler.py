@@ -17,8 +17,14 @@ Per step, vLLM calls (on its scheduler thread, never blocked here):
   (lookups, promotions, cascades) goes to the engine, and the loop is woken once.
 - ``update_connector_output``: a device job completes when every worker reported it.
 
-Secondary tiers run on an `Engine` inside a `ThreadedEngine`; results come back through a
-queue polled by these hooks. Only ``reset_cache`` and ``shutdown`` wait.
+Secondary tiers run on an `Engine` inside a `ThreadedEngine`. The ledger decides, the
+engine executes, this thread applies: a `TaskRunner` turns the ledger's tasks into jobs
+(one per kind and tier each step) and applies what ``poll`` returns at the start of
+``get_num_new_matched_tokens`` and ``build_connector_meta`` and at the end of
+``update_connector_output`` (`TaskRunner.collect`), with the blocks each tier deleted on
+its own meanwhile (damaged, GC: removal events); the device jobs the workers report are
+applied by the same runner (`TaskRunner.apply_copy`). An error while applying is logged,
+never raised into vLLM. Only ``reset_cache`` and ``shutdown`` wait.
 
 ``reset_cache`` flushes every tier job (`ThreadedEngine.flush`, ``wait_timeout_s`` at most):
 a cascade reads a CPU slot and a promotion writes one, and the reset frees them all. If a
@@ -38,22 +44,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from kvtier_async._log import get_logger
-from kvtier_async.engine import Deferred, Engine, Job, LaneStatistics, ThreadedEngine
+from kvtier_async.engine import Engine, LaneStatistics, TaskRunner, ThreadedEngine
 from kvtier_async.ledger import (
     CPUSpec,
     GPUSpec,
     JobKind,
     LedgerStatistics,
-    LookupResult,
     OffloadingEvent,
     PrimaryLedger,
     StorePolicy,
     TierCounters,
     TieringLedger,
-    TierTask,
     make_offload_key,
 )
 from kvtier_async.memory import SharedRegion, close_region
@@ -128,10 +130,8 @@ class ConnectorScheduler:
         self._block_jobs: dict[int, set[int]] = {}  # GPU block -> store jobs reading it
         self._step_loads: dict[int, DeviceJob] = {}
         self._step_allocated: set[int] = set()
-        # engine job id -> the job and the ledger tasks it carries, in key order
-        self._tier_jobs: dict[int, tuple[Job, list[TierTask]]] = {}
         self._reset_fence: dict[int, int] = {}  # device job flushed by a reset -> reports due
-        self._deferred: list[Job] = []
+        self._runner = TaskRunner(self.ledger, tiers, batch=True)
         self._region: SharedRegion | None = None
         self.tiers = tiers
         self.store_allocation_failures = 0  # stores the CPU tier had no room for
@@ -179,44 +179,19 @@ class ConnectorScheduler:
         return block_view
 
     def _drain_tier_results(self) -> None:
-        threaded = self._threaded
-        if threaded is None or not self._tier_jobs:  # nothing out: nothing can come back
+        """Apply the tier results that came back (see the module docstring)."""
+        threaded, runner = self._threaded, self._runner
+        if threaded is None or not runner.has_pending_work():  # nothing out: nothing back
             return
-        for item in threaded.poll():
-            if isinstance(item, Deferred):
-                self._deferred.append(item.job)
-                continue
-            entry = self._tier_jobs.pop(item.job_id, None)
-            if entry is None:
-                continue
-            start = 0
-            for task in entry[1]:
-                end = start + len(task.keys)
-                self.ledger.apply(task.task_id, item.ok[start:end])
-                start = end
+        runner.collect(threaded.poll())
 
     def _submit_tier_work(self) -> None:
+        """The deferred tier jobs, and jobs for the tasks the ledger decided since."""
         threaded = self._threaded
         if threaded is None:
             return
-        threaded.submit(self._take_tier_work(), wake=False)
+        threaded.submit(self._runner.take_jobs(), wake=False)
         threaded.wake()
-
-    def _take_tier_work(self) -> list[Job]:
-        """The deferred tier jobs, and the tasks the ledger decided since: one job per
-        (kind, tier) carrying all of them, so that the loop thread handles a few jobs per
-        step, not one per request (a batch's blocks still move in parallel in the tier)."""
-        jobs, self._deferred = self._deferred, []
-        batches: dict[tuple[JobKind, int], list[TierTask]] = {}
-        for task in self.ledger.take_tasks():
-            batches.setdefault((task.kind, task.tier), []).append(task)
-        for (kind, tier), tasks in batches.items():
-            keys = tasks[0].keys if len(tasks) == 1 else tuple(k for t in tasks for k in t.keys)
-            slots = np.concatenate([t.slot_ids for t in tasks])
-            job = Job(kind, keys, slots, tier=tier)
-            self._tier_jobs[job.job_id] = (job, tasks)
-            jobs.append(job)
-        return jobs
 
     # --- lookups ----------------------------------------------------------------------
 
@@ -264,7 +239,9 @@ class ConnectorScheduler:
         first = num_computed_tokens // chunk
         # At least one token must be left to compute: never the request's last token.
         last = min(len(st.keys[0]), (request.num_tokens - 1) // chunk)
-        hits, pending = self._walk(st, first, last)
+        hits, pending = self.ledger.walk_prefix(
+            request.request_id, [keys[first:last] for keys in st.keys]
+        )
         if pending:
             return None, False
         end_tokens = (first + hits) * chunk
@@ -274,31 +251,6 @@ class ConnectorScheduler:
         self.ledger.prepare_load(keys, request.request_id)  # a reuse, as vLLM's prepare_load
         st.pinned = keys
         return end_tokens - num_computed_tokens, True
-
-    def _walk(self, st: _Request, first: int, last: int) -> tuple[int, bool]:
-        """Leading fully-hit offloaded blocks in [first, last), and whether any key before
-        the first miss has no answer yet (it was queued for a batched lookup)."""
-        hits, pending, req_id = 0, False, st.req.request_id
-        lookup, hit, miss = self.ledger.lookup, LookupResult.HIT, LookupResult.MISS
-        if len(st.keys) == 1:  # the common case: one KV-cache group, no list per block
-            for key in st.keys[0][first:last]:
-                result = lookup(key, req_id)
-                if result is miss:
-                    break
-                if result is hit:
-                    hits += not pending
-                else:
-                    pending = True
-            return hits, pending
-        for c in range(first, last):
-            results = [lookup(keys[c], req_id) for keys in st.keys]
-            if miss in results:
-                break
-            if all(r is hit for r in results):
-                hits += not pending
-            else:
-                pending = True
-        return hits, pending
 
     def _chunk_keys(self, st: _Request, start: int, end: int) -> list[bytes]:
         return [key for keys in st.keys for key in keys[start:end]]
@@ -546,16 +498,15 @@ class ConnectorScheduler:
         if job.pending > 0:
             return
         del self._jobs[job_id]
+        kind = JobKind.STORE if job.is_store else JobKind.LOAD
+        self._runner.apply_copy(kind, job.keys, (not job.failed,) * len(job.keys), job_id=job_id)
         if job.is_store:
-            self.ledger.complete_store(job.keys, success=not job.failed)
             for block in job.blocks:
                 readers = self._block_jobs.get(block)
                 if readers is not None:
                     readers.discard(job_id)
                     if not readers:
                         del self._block_jobs[block]
-        else:
-            self.ledger.complete_load(job.keys)
         st = self._reqs.get(job.req_id)
         if st is not None:
             st.jobs.discard(job_id)
@@ -586,7 +537,7 @@ class ConnectorScheduler:
         return bool(
             self._jobs
             or self._reset_fence
-            or self._deferred
+            or self._runner.has_pending_work()
             or self.ledger.has_pending_work()
             or (threaded is not None and threaded.has_pending_work())
         )
@@ -638,10 +589,11 @@ class ConnectorScheduler:
             return True
         timeout = self.config.wait_timeout_s
         deadline = time.monotonic() + timeout
+        runner = self._runner
         self._drain_tier_results()
-        while self._deferred or self.ledger.has_pending_work():
-            self._take_tier_work()
-            jobs = [job for job, _ in self._tier_jobs.values()]
+        while self.ledger.has_pending_work():
+            runner.take_jobs()  # a flush takes jobs not handed over yet
+            jobs = runner.in_flight()
             if not jobs:
                 break
             left = max(0.0, deadline - time.monotonic())
@@ -649,12 +601,8 @@ class ConnectorScheduler:
             self._drain_tier_results()
             if not abandoned:
                 continue
-            running = [
-                task
-                for job in abandoned
-                if job.job_id in self._tier_jobs
-                for task in self._tier_jobs[job.job_id][1]
-            ]
+            out = {job.job_id for job in runner.in_flight()}
+            running = [task for job in abandoned if job.job_id in out for task in job.tasks]
             log.warning(
                 "reset_cache: tier jobs abandoned at the deadline",
                 jobs=len(abandoned),
