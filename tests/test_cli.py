@@ -143,3 +143,20 @@ def test_main_removes_the_log_handler_it_added() -> None:
     before = list(logging.getLogger().handlers)
     main(["bench", "fake", "--json"])
     assert logging.getLogger().handlers == before
+
+
+def test_bench_gpu_runs_without_the_s3_stack() -> None:
+    """The GPU machine has no aiobotocore, botocore or aiohttp (see ci/gpu-check): the command
+    line must start there and run `kvtier bench gpu`, which needs none of them."""
+    blocked = ["aiohttp", "aiobotocore", "aioboto3", "botocore", "boto3", "moto"]
+    code = (
+        "import sys\n"
+        f"for name in {blocked!r}: sys.modules[name] = None  # import fails, as if absent\n"
+        "from kvtier_async.cli import main\n"
+        "sys.exit(main(['bench', 'gpu', '--quick']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "gpu" in done.stdout + done.stderr

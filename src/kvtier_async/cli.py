@@ -26,17 +26,20 @@ import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from kvtier_async import __version__, bench
 from kvtier_async.bench.report import BenchRecord, as_quick, misses, render_table
-from kvtier_async.ops import commands as operations
 from kvtier_async.ops import render
 from kvtier_async.ops.layout import OpsError
-from kvtier_async.ops.s3root import REQUEST_ERRORS
-from kvtier_async.tiers.s3 import BucketNotFoundError, TierOpenError
+
+if TYPE_CHECKING:
+    from kvtier_async.ops import commands as operations
+
+# The operations commands import the S3 stack (aiobotocore, aiohttp) when they run, not here:
+# `kvtier bench gpu` runs on GPU machines that have none of it (see ci/gpu-check).
 
 __all__ = ["configure_logging", "main", "print_records", "run_benchmarks"]
 
@@ -275,6 +278,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _s3_options(args: argparse.Namespace) -> operations.S3Options:
+    from kvtier_async.ops import commands as operations
+
     jobs = getattr(args, "jobs", None) or 16
     return operations.S3Options(args.endpoint, args.region, args.timeout, jobs)
 
@@ -285,6 +290,9 @@ def _operation(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[.
 
     @functools.wraps(fn)
     def run(args: argparse.Namespace) -> int:
+        from kvtier_async.ops.s3root import REQUEST_ERRORS
+        from kvtier_async.tiers.s3 import BucketNotFoundError, TierOpenError
+
         try:
             return fn(args)
         except (OpsError, BucketNotFoundError) as exc:
@@ -300,6 +308,8 @@ def _operation(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[.
 def _describe(exc: BaseException) -> str:
     """An error for the command's stderr: its text, and its type where the text alone may not
     say what failed (a request's error)."""
+    from kvtier_async.tiers.s3 import TierOpenError
+
     if isinstance(exc, TierOpenError | OSError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
@@ -307,6 +317,8 @@ def _describe(exc: BaseException) -> str:
 
 def _inspect_args(args: argparse.Namespace) -> int:
     """``kvtier inspect``: the report, and with --verify the damaged blocks."""
+    from kvtier_async.ops import commands as operations
+
     verify = args.verify or args.repair
     jobs = args.jobs or (16 if operations.remote(args.location) else 4)
 
@@ -342,6 +354,8 @@ def _inspect_args(args: argparse.Namespace) -> int:
 
 def _gc_args(args: argparse.Namespace) -> int:
     """``kvtier gc``: plan (and unless --dry-run, delete) least recently used blocks."""
+    from kvtier_async.ops import commands as operations
+
     plan, result = operations.gc(
         args.location,
         args.max_bytes,
@@ -358,6 +372,8 @@ def _gc_args(args: argparse.Namespace) -> int:
 
 def _regions_args(args: argparse.Namespace) -> int:
     """``kvtier regions``: the regions, and with --remove-stale those removed and kept."""
+    from kvtier_async.ops import commands as operations
+
     found, removed, kept = operations.list_regions(args.dir, remove_stale=args.remove_stale)
     if args.json:
         print(render.to_json(render.regions_json(args.dir, found, removed, kept)))
