@@ -41,6 +41,7 @@ from kvtier_async.bench.s3server import MotoS3Server
 from kvtier_async.ledger import JobKind
 
 BOUND_S = 2.0  # a step waits on no tier: bookkeeping and the fake model, on a busy 2-core box
+STEP_FLOOR_S = 0.002  # the shortest step: a real engine's step takes milliseconds
 CLOSE_BOUND_S = 5.0  # shutdown: the tier engine's close, its tier's close within timeout_s
 TIMEOUT_S = 1.0  # the obj tier's
 WAIT_TIMEOUT_S = 5.0  # the connector's wait_timeout_s: how long a reset waits for the tiers
@@ -254,3 +255,9 @@ def timed_step(calls: Calls, h: Any) -> None:
         calls.record(name, seconds)
         if seconds > BOUND_S:
             calls.row.problems.append(f"a {name} took {seconds:.2f} s, bound {BOUND_S:g} s")
+    # A GPU step takes milliseconds; the fake model's take ~0.1 ms, and stepping that fast
+    # would starve of the GIL the S3 server and proxy threads this process also runs (a
+    # lookup then times out on our side of the wire, not the server's).
+    rest = STEP_FLOOR_S - (time.monotonic() - began)
+    if rest > 0:
+        time.sleep(rest)
