@@ -29,6 +29,7 @@ class DelayProxy:
         self.target = target
         self.delay_s = 0.0
         self.hold_puts = False
+        self.held = 0  # PUTs held right now (their client has not given up yet)
         self.port = 0
         self._portal_cm: contextlib.AbstractContextManager[BlockingPortal] | None = None
         self._portal: BlockingPortal | None = None
@@ -94,7 +95,11 @@ class DelayProxy:
             while True:
                 chunk = await src.receive(_CHUNK)
                 if requests and self.hold_puts and chunk.startswith(b"PUT "):
-                    await anyio.sleep_forever()
+                    self.held += 1
+                    try:
+                        await anyio.sleep_forever()
+                    finally:
+                        self.held -= 1
                 if self.delay_s:
                     await anyio.sleep(self.delay_s)
                 await dst.send(chunk)
