@@ -85,7 +85,9 @@ def run(seed: int) -> Iterator[Row]:
     with vh.VllmHarness(num_gpu_blocks=48, max_num_batched_tokens=256) as h:
         h.drive(trace, per_step=2)
         baseline = dict(h.stats.outputs)
-    with MotoS3Server() as server, DelayProxy(server.port) as proxy:
+    # moto in a process of its own: a lookup then gets its answer within its 1 s deadline
+    # while this process steps the engine (a late one would open the breaker before any PUT)
+    with MotoS3Server(in_process=False) as server, DelayProxy(server.port) as proxy:
         bucket = f"vllm-{uuid.uuid4().hex[:12]}"
         server.create_bucket(bucket)
         tier = server.tier_config(bucket, timeout_s=TIMEOUT_S, endpoint_override=proxy.endpoint)
@@ -167,10 +169,13 @@ def shutdown_while_hung(fault: Outage, tier: dict[str, Any], trace: list[Any]) -
         stack.callback(fault.end)
         try:
             h.drive(trace[:4], per_step=2)
-            fault.begin()
             for item in trace[4:12]:
                 h.add_request(*item)
             ends = time.monotonic() + OUTER_S
+            timed_step(Calls(row), h)  # their lookups go out (reads are not the fault here)
+            while looking_up(h) and time.monotonic() < ends:
+                timed_step(Calls(row), h)
+            fault.begin()  # then their stores' cascades meet PUTs that are never answered
             while not hung(h, fault) and time.monotonic() < ends:
                 timed_step(Calls(row), h)  # until cascades wait for the hung server
             row.trials = len(trace[:12])
@@ -188,6 +193,11 @@ def hung(h: Any, fault: Outage) -> bool:
     if other requests opened the tier's breaker: the request itself still hangs)."""
     proxy = getattr(fault, "proxy", None)
     return cascading(h) or (proxy is not None and proxy.held > 0)
+
+
+def looking_up(h: Any) -> bool:
+    outstanding = h.connector.scheduler.ledger.outstanding()
+    return any(task.kind is JobKind.LOOKUP for task in outstanding)
 
 
 def cascading(h: Any) -> bool:
