@@ -130,6 +130,14 @@ class CachePolicy(ABC):
         self.capacity = capacity
         self.table = table
 
+    def _evictable(self, order: Iterable[bytes], protected: Collection[bytes]) -> Iterator[bytes]:
+        """The keys of ``order``, in order, that may go now: readable, no reader, and not
+        ``protected``."""
+        slot_of, ref = self.table.slot_of, self.table.ref
+        for key in order:
+            if ref[slot_of[key]] == 0 and key not in protected:
+                yield key
+
     @abstractmethod
     def insert(self, keys: Sequence[bytes], req: RequestAccess) -> None:
         """New keys (being written, in offer order) join the cache for request ``req``."""
@@ -499,36 +507,42 @@ class ARCPolicy(CachePolicy):
     def _select(
         self, n: int, protected: Collection[bytes], target: int
     ) -> list[tuple[bytes, bool]] | None:
-        """vLLM's choice: from T1 while its (virtual) size is at least the target, else
-        from T2, else from T1 after all; one forward scan of each list."""
-        t1_iter = self._candidates(self.t1, protected)
-        t2_iter = self._candidates(self.t2, protected)
-        t1_size = len(self.t1)
-        victims: list[tuple[bytes, bool]] = []
-        while len(victims) < n:
-            key = next(t1_iter, None) if t1_size >= target else None
-            from_t1 = key is not None
-            if key is None:
-                key = next(t2_iter, None)
-            if key is None:
-                key = next(t1_iter, None)
-                from_t1 = True
-            if key is None:
-                return None
-            t1_size -= from_t1
-            victims.append((key, from_t1))
-        return victims
-
-    def _candidates(self, order: Iterable[bytes], protected: Collection[bytes]) -> Iterator[bytes]:
-        slot_of, ref = self.table.slot_of, self.table.ref
-        for key in order:
-            if ref[slot_of[key]] == 0 and key not in protected:
-                yield key
+        """vLLM's choice (`arc_choose`) between T1 and T2."""
+        return arc_choose(
+            self._evictable(self.t1, protected),
+            self._evictable(self.t2, protected),
+            len(self.t1),
+            target,
+            n,
+        )
 
     def clear(self) -> None:
         self.target_t1 = 0.0
         for order in (self.t1, self.t2, self.b1, self.b2):
             order.clear()
+
+
+def arc_choose(
+    recent: Iterator[bytes], frequent: Iterator[bytes], recent_size: int, target: int, n: int
+) -> list[tuple[bytes, bool]] | None:
+    """ARC's choice of ``n`` victims, as vLLM makes it: from the recent list while its
+    (virtual) size is at least ``target``, else from the frequent list, else from the recent
+    one after all; one forward scan of each iterator (of evictable keys, coldest first).
+    Returns (key, from the recent list) pairs, or None if fewer than ``n`` can go."""
+    victims: list[tuple[bytes, bool]] = []
+    while len(victims) < n:
+        key = next(recent, None) if recent_size >= target else None
+        from_recent = key is not None
+        if key is None:
+            key = next(frequent, None)
+        if key is None:
+            key = next(recent, None)
+            from_recent = True
+        if key is None:
+            return None
+        recent_size -= from_recent
+        victims.append((key, from_recent))
+    return victims
 
 
 from .prefix_policy import PrefixPolicy  # noqa: E402 -- it builds on the classes above

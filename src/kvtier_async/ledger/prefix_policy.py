@@ -74,7 +74,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 
-from .policies import CachePolicy, RequestAccess, SlotTable
+from .policies import CachePolicy, RequestAccess, SlotTable, arc_choose
 
 __all__ = ["PrefixPolicy"]
 
@@ -341,33 +341,16 @@ class PrefixPolicy(CachePolicy):
         return [key for key, _ in victims]
 
     def _select(self, n: int, protected: Collection[bytes]) -> list[tuple[bytes, bool]] | None:
-        """ARC's choice between P (while at least its target) and S; one forward scan of
-        each."""
-        private_iter = self._candidates(iter(self._private), protected)
-        shared_iter = self._candidates(self._shared_order(), protected)
-        private_size, target = len(self._private), int(self.target_private)
-        victims: list[tuple[bytes, bool]] = []
-        while len(victims) < n:
-            key = next(private_iter, None) if private_size >= target else None
-            from_private = key is not None
-            if key is None:
-                key = next(shared_iter, None)
-            if key is None:
-                key = next(private_iter, None)
-                from_private = True
-            if key is None:
-                return None
-            private_size -= from_private
-            victims.append((key, from_private))
-        return victims
+        """ARC's choice (`arc_choose`) between P (recent) and S (frequent, by level)."""
+        return arc_choose(
+            self._evictable(self._private, protected),
+            self._evictable(self._shared_order(), protected),
+            len(self._private),
+            int(self.target_private),
+            n,
+        )
 
     def _shared_order(self) -> Iterator[bytes]:
         buckets = self._buckets
         for level in sorted(buckets):
             yield from buckets[level]
-
-    def _candidates(self, order: Iterator[bytes], protected: Collection[bytes]) -> Iterator[bytes]:
-        slot_of, ref = self.table.slot_of, self.table.ref
-        for key in order:
-            if ref[slot_of[key]] == 0 and key not in protected:
-                yield key
