@@ -1222,6 +1222,69 @@ async def test_lookups_are_one_thread_call_per_batch_and_loads_are_chunked(
             assert pool_threads("chunks") == {"kvfs-w-chunks": 4}
 
 
+@pytest.mark.anyio
+async def test_a_native_lookup_batch_makes_no_system_call_from_python(
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, io_path: str
+) -> None:
+    """Each ``lstat`` made from Python gives the GIL up and waits to take it back: with the
+    C helper a batch is one call. Its answers are the Python path's (the tests above run on
+    both): present, absent, a link, a directory, a file of another size."""
+    keys, views = keys_for(5), slots.make(5, PAGE)
+    async with opened(new_tier(disk_dir)) as tier:
+        assert await tier.store(keys[:4], views[:4]) == [True] * 4
+        paths = [Path(tier._ready().path(key)) for key in keys]
+        paths[1].unlink()
+        paths[1].symlink_to(paths[0])
+        paths[2].unlink()
+        paths[2].mkdir()
+        with paths[3].open("ab") as extra:
+            extra.write(b"x")
+        python_calls: list[str] = []
+        real_lstat = os.lstat
+
+        def counting(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+            python_calls.append(str(path))
+            return real_lstat(path, *args, **kwargs)
+
+        monkeypatch.setattr(files.os, "lstat", counting)
+        assert await tier.lookup(keys) == [True, False, False, False, False]
+        assert (python_calls == []) == (io_path == "native"), python_calls
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", [None, 0o640])
+async def test_a_native_store_batch_makes_its_directories_in_one_call(
+    disk_dir: Path, slots: Slots, monkeypatch: pytest.MonkeyPatch, io_path: str, mode: int | None
+) -> None:
+    """The new directories of a store batch (a block's two levels, as a rule) are made by
+    the C helper, with the tier's directory mode, and none by a ``mkdir`` from Python; one
+    whose rank directory is gone too is made by the Python path (which knows the parents)."""
+    keys, views = keys_for(16), slots.make(16, PAGE)
+    options = {} if mode is None else {"mode": mode}
+    python_calls: list[str] = []
+    real_mkdir = os.mkdir
+
+    def counting(path: Any, *args: Any, **kwargs: Any) -> None:
+        python_calls.append(str(path))
+        real_mkdir(path, *args, **kwargs)
+
+    async with opened(new_tier(disk_dir, **options)) as tier:
+        monkeypatch.setattr(fs_publish.os, "mkdir", counting)
+        assert await tier.store(keys[:8], views[:8]) == [True] * 8
+        assert (python_calls == []) == (io_path == "native"), python_calls
+        want = 0o700 if mode is None else 0o750
+        for key in keys[:8]:
+            leaf = Path(tier._ready().path(key)).parent
+            for directory in (leaf, leaf.parent):
+                assert stat.S_IMODE(directory.stat().st_mode) == want, directory
+        rank_dir = Path(tier._ready().path(keys[0])).parent.parent.parent
+        shutil.rmtree(rank_dir)
+        python_calls.clear()
+        assert await tier.store(keys[8:], views[8:]) == [True] * 8
+        assert str(rank_dir) in python_calls  # made again by the Python path
+        assert await tier.lookup(keys) == [False] * 8 + [True] * 8
+
+
 def pool_threads(tier: str) -> dict[str, int]:
     """This process's threads of the C pools of the tier named ``tier``, counted by name."""
     names = []

@@ -145,10 +145,13 @@ class BlockFiles:
         self.file_bytes = HEADER_BYTES + ctx.block_bytes
         ns_dir = os.path.join(root, ctx.namespace)
         known = {root, ns_dir, os.path.join(ns_dir, f"r{ctx.rank}")}
-        self.dirs = Directories(ns_dir, known, ctx, perms, self.warn)
+        # The C batch path publishes by rename; the O_TMPFILE ways stay in Python. Lookups
+        # use the helper whenever it could be built.
+        self.lookup_io = _native_fsio()
+        self.fsio = self.lookup_io if mode.publish == "rename" else None
+        make_many = self.fsio.make_dirs if self.fsio is not None else None
+        self.dirs = Directories(ns_dir, known, ctx, perms, self.warn, make_many)
         self._publish = PUBLISHERS[mode.publish]
-        # The C batch path publishes by rename; the O_TMPFILE ways stay in Python.
-        self.fsio = _native_fsio() if mode.publish == "rename" else None
         self.workers = Workers(self.fsio, name, *workers)
 
     def close(self) -> None:
@@ -198,7 +201,26 @@ class BlockFiles:
     # -- lookups -------------------------------------------------------------------------
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return [self._exists(key) for key in keys]
+        """Whether each key's block file is there (a regular file of a block file's size).
+        With the C helper, one call for the batch: a system call per key in Python gives
+        the GIL up and takes it back each time, which costs a switch interval per key
+        while another thread computes (the scheduler's)."""
+        native = self.lookup_io
+        if native is None:
+            return [self._exists(key) for key in keys]
+        paths: list[bytes] = []
+        valid: list[int] = []
+        for index, key in enumerate(keys):
+            try:
+                paths.append(os.fsencode(self.path(key)))
+            except ValueError:  # not an offload key: no block
+                continue
+            valid.append(index)
+        found = [False] * len(keys)
+        if paths:
+            for index, flag in zip(valid, native.exists_many(paths, self.file_bytes)):
+                found[index] = flag
+        return found
 
     def _exists(self, key: bytes) -> bool:
         try:

@@ -90,6 +90,25 @@ class FsIo:
         value: int = self.library.kvtier_crc32c(address, nbytes)
         return value
 
+    def exists_many(self, paths: list[bytes], file_bytes: int) -> list[bool]:
+        """Whether each path names a regular file of ``file_bytes`` bytes (``lstat``: a link
+        is no block file), in this thread with the GIL released once for the batch."""
+        n = len(paths)
+        found = (ctypes.c_ubyte * n)()
+        self.library.kvtier_exists_many(n, (ctypes.c_char_p * n)(*paths), file_bytes, found)
+        return [bool(flag) for flag in found]
+
+    def make_dirs(self, dirs: list[str], mode: int, fix: bool) -> list[int]:
+        """``mkdir`` each directory with ``mode`` (its parent first if missing; ``fix``:
+        ``chmod`` them to it too), in this thread with the GIL released once: 1 made, 0
+        there already, -errno failed (-ENOENT: more than the parent is missing)."""
+        n = len(dirs)
+        codes = (ctypes.c_int32 * n)()
+        names = (ctypes.c_char_p * n)(*map(os.fsencode, dirs))
+        parents = (ctypes.c_char_p * n)(*(os.fsencode(os.path.dirname(d)) for d in dirs))
+        self.library.kvtier_make_dirs(n, names, parents, mode, int(fix), codes)
+        return list(codes)
+
     def run(self, pool: Pool | None, args: StoreArgs | LoadArgs) -> None:
         """Run one batch on ``pool``'s workers (None: in this thread); returns when done."""
         kind = KIND_STORE if isinstance(args, StoreArgs) else KIND_LOAD
@@ -173,6 +192,10 @@ def native_fsio() -> FsIo | None:
     library.kvtier_crc32c.restype = ctypes.c_uint32
     library.kvtier_crc32c_hardware.argtypes = []
     library.kvtier_crc32c_hardware.restype = ctypes.c_int
+    library.kvtier_make_dirs.argtypes = [_I64, _P, _P, _I32, _I32, _P]
+    library.kvtier_make_dirs.restype = None
+    library.kvtier_exists_many.argtypes = [_I64, _P, _I64, _P]
+    library.kvtier_exists_many.restype = None
     library.kvtier_run.argtypes = [_P, _I32, _P]
     library.kvtier_run.restype = None
     library.kvtier_pool_new.argtypes = [_I32, ctypes.c_char_p]

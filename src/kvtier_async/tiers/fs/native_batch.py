@@ -276,18 +276,26 @@ def store_batch(
 def _stores(files: BlockFiles, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> NativeBatch:
     """The batch of the blocks that may be stored (the others fail here); their directories
     exist."""
-    batch = NativeBatch()
+    wanted: list[tuple[int, bytes, memoryview, str, str]] = []
     for index, (key, block) in enumerate(zip(keys, blocks, strict=True)):
         try:
             files.check_block(block)
             path = files.path(key)
-            directory = os.path.dirname(path)
-            made_dir = files.dirs.ensure(directory)
         except (OSError, ValueError) as exc:
             files.store_failed(key, exc)
             continue
+        wanted.append((index, key, block, path, os.path.dirname(path)))
+    made, failed = files.dirs.ensure_many(directory for *_, directory in wanted)
+    batch = NativeBatch()
+    for index, key, block, path, directory in wanted:
+        error = failed.get(directory)
+        if error is not None:
+            files.store_failed(key, error)
+            continue
+        new_dir = directory in made  # a new directory holds no block: no lstat first
+        made.discard(directory)
         batch.add(
-            index, key, block, path, directory=directory, check=not made_dir,
+            index, key, block, path, directory=directory, check=not new_dir,
             direct=files.mode.direct,
         )  # fmt: skip
     return batch

@@ -18,7 +18,9 @@ followed), ``fstat``, ``preadv`` into [header page, slot] (buffered: the header 
 payload's first 256 KiB, then the rest in pieces, each checksummed as it arrives), the same
 checks as `kvtier_async.tiers.blockfile.verify_block` in the same order (a
 file of the wrong size or not regular fails after the short-read check), and on a failure the
-file's device and inode (so Python deletes only that file).
+file's device and inode (so Python deletes only that file). A lookup batch: ``lstat`` each
+name (a regular file of a block file's size); a store batch's new directories: ``mkdir`` each
+(its parent first when missing); both in the calling thread.
 
 CRC-32C uses SSE 4.2 on x86-64 (three interleaved streams joined by zero-append operators,
 Mark Adler's method: 2.5-3x one stream; from 256 bytes, folding with VPCLMULQDQ where the CPU
@@ -620,6 +622,44 @@ void kvtier_pool_free(void *pool) {
     pthread_cond_destroy(&p->work);
     pthread_mutex_destroy(&p->mu);
     free(p);
+}
+
+/* Make each directory dirs[i] (mode; chmod to it as well when fix), its parent parents[i]
+   first when it says ENOENT: codes[i] = 1 made, 0 there already, -errno on failure (a
+   missing grandparent: -ENOENT; Python's path then makes what is missing). In the calling
+   thread: one release of the GIL for the batch. */
+void kvtier_make_dirs(int64_t n, const char *const *dirs, const char *const *parents,
+                      int32_t mode, int32_t fix, int32_t *codes) {
+    for (int64_t i = 0; i < n; i++) {
+        if (mkdir(dirs[i], (mode_t)mode) != 0) {
+            if (errno != ENOENT) {
+                codes[i] = errno == EEXIST ? 0 : -errno;
+                continue;
+            }
+            if (mkdir(parents[i], (mode_t)mode) == 0) {
+                if (fix) chmod(parents[i], (mode_t)mode);
+            } else if (errno != EEXIST) {
+                codes[i] = -errno;
+                continue;
+            }
+            if (mkdir(dirs[i], (mode_t)mode) != 0) {
+                codes[i] = errno == EEXIST ? 0 : -errno;
+                continue;
+            }
+        }
+        if (fix) chmod(dirs[i], (mode_t)mode);
+        codes[i] = 1;
+    }
+}
+
+/* A lookup batch: found[i] = 1 when paths[i] names a regular file of file_bytes bytes,
+   without following a symbolic link (lstat), as the Python path's check. In the calling
+   thread: one call, one release of the GIL, for the whole batch. */
+void kvtier_exists_many(int64_t n, const char *const *paths, int64_t file_bytes,
+                        unsigned char *found) {
+    struct stat st;
+    for (int64_t i = 0; i < n; i++)
+        found[i] = lstat(paths[i], &st) == 0 && S_ISREG(st.st_mode) && st.st_size == file_bytes;
 }
 
 /* Run a batch (kind KIND_STORE with a struct store_args, KIND_LOAD with a struct load_args):

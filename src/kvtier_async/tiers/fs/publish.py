@@ -35,7 +35,7 @@ import mmap
 import os
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -99,6 +99,9 @@ class Perms:
 
 
 _PRIVATE: Final = Perms.of(PRIVATE_MODE)
+
+MakeMany = Callable[[list[str], int, bool], list[int]]
+"""``(directories, mode, fix) -> codes``: 1 made, 0 there already, negative failed."""
 
 
 @dataclass(frozen=True)
@@ -165,12 +168,14 @@ class Directories:
         ctx: TierContext,
         perms: Perms,
         warn: Callable[..., object],
+        make_many: MakeMany | None = None,
     ) -> None:
         self._ns_dir = ns_dir
         self._known = known
         self._ctx = ctx
         self._perms = perms
         self._warn = warn  # the tier's rate-limited warnings
+        self._make_many = make_many  # the C helper's batch mkdir (`FsIo.make_dirs`)
 
     def ensure(self, directory: str) -> bool:
         """Make ``directory`` unless known; True if made by this call.
@@ -183,6 +188,33 @@ class Directories:
         made = make_dirs(directory, self._perms, self._made)
         self._known.add(directory)
         return made
+
+    def ensure_many(self, directories: Iterable[str]) -> tuple[set[str], dict[str, OSError]]:
+        """`ensure` each directory: which this call made, and the error of each it could
+        not make. With the C helper the unknown ones are one call (each ``mkdir`` made from
+        Python gives the GIL up and waits to take it back); one it could not make (a
+        grandparent missing, an error) goes through `ensure`, which makes what is missing
+        or raises the error with its path."""
+        unknown = [d for d in dict.fromkeys(directories) if d not in self._known]
+        made: set[str] = set()
+        failed: dict[str, OSError] = {}
+        if not unknown:
+            return made, failed
+        codes: Sequence[int | None] = [None] * len(unknown)
+        if self._make_many is not None:
+            codes = self._make_many(unknown, self._perms.dir, self._perms.fix)
+        for directory, code in zip(unknown, codes, strict=True):
+            if code is not None and code >= 0:
+                self._known.add(directory)
+                if code:
+                    made.add(directory)
+                continue
+            try:
+                if self.ensure(directory):
+                    made.add(directory)
+            except OSError as exc:
+                failed[directory] = exc
+        return made, failed
 
     def forget(self) -> None:
         """Forget every directory known to exist (one was removed under us)."""
