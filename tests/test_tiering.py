@@ -77,6 +77,23 @@ def test_store_cascades_to_every_tier_with_pins() -> None:
     assert [(e.tier, e.keys) for e in storage] == [("t0", ks(1, 2)), ("t1", ks(1, 2))]
 
 
+def test_cascades_can_stay_queued_while_other_work_goes() -> None:
+    led = tiering(tiers=1)
+    store(led, [1, 2])
+    assert led.queued_cascades == 2 and not led.has_urgent_work()
+    assert led.take_tasks(cascades=False) == []
+    assert led.lookup(k(7), "r") is RETRY
+    assert led.has_urgent_work()
+    [lookup] = led.take_tasks(cascades=False)  # the lookup goes; the cascade stays, pinned
+    assert lookup.kind is JobKind.LOOKUP and led.queued_cascades == 2
+    assert led.primary.ref_count(k(1)) == 1 and not led.has_urgent_work()
+    [cascade] = led.take_tasks()
+    assert cascade.kind is JobKind.CASCADE and cascade.keys == (k(1), k(2))
+    assert led.queued_cascades == 0
+    apply_all(led, [lookup, cascade])
+    assert led.primary.ref_count(k(1)) == 0 and not led.has_pending_work()
+
+
 def test_cascade_waits_for_the_gpu_to_cpu_copy() -> None:
     led = tiering()
     out = led.prepare_store(ks(1), "r")
@@ -136,6 +153,60 @@ def test_walk_prefix_counts_leading_hits_and_says_what_is_on_its_way() -> None:
     # a pending key in one group makes the position pending; every group's key is asked
     assert led.walk_prefix("r", [ks(1, 5, 2), ks(4, 1, 6)]) == (1, True)
     assert {t.keys for t in led.take_tasks()} == {(k(5), k(6))}  # one lookup batch, both
+
+
+def test_a_tier_has_one_lookup_out_and_the_keys_asked_meanwhile_go_together() -> None:
+    led = tiering(tiers=2)
+    assert led.lookup(k(1), "a") is RETRY
+    first = of_kind(led.take_tasks(), JobKind.LOOKUP)
+    assert sorted((t.tier, t.keys) for t in first) == [(0, (k(1),)), (1, (k(1),))]
+    for i in (2, 3):  # asked while both lookups are out: no new lookup
+        assert led.lookup(k(i), "b") is RETRY
+        assert of_kind(led.take_tasks(), JobKind.LOOKUP) == []
+    assert led.has_pending_work()
+    tier0 = next(t for t in first if t.tier == 0)
+    led.apply(tier0.task_id, [False])  # tier 0 answered: its waiting keys go, tier 1's wait
+    [second] = of_kind(led.take_tasks(), JobKind.LOOKUP)
+    assert (second.tier, second.keys) == (0, (k(2), k(3)))
+    tier1 = next(t for t in first if t.tier == 1)
+    led.apply(tier1.task_id, [False])
+    [third] = of_kind(led.take_tasks(), JobKind.LOOKUP)
+    assert (third.tier, third.keys) == (1, (k(2), k(3)))
+    led.apply(second.task_id, [False, True])
+    led.apply(third.task_id, [False, False])
+    assert led.walk_prefix("b", [ks(2)]) == (0, False)  # nowhere: a miss
+    assert led.lookup(k(3), "b") is PENDING  # tier 0 has it: promoted
+    assert led.walk_prefix("a", [ks(1)]) == (0, False)
+
+
+def test_walk_prefix_answers_as_lookup_does() -> None:
+    """The walk reads the primary and a lone tier's answers itself: every walk's answer is
+    that of `lookup` key by key, with the same effects (probes asked, promotions)."""
+    for tiers in (0, 1, 2):
+        walked, looked = tiering(capacity=4, tiers=tiers), tiering(capacity=4, tiers=tiers)
+        for led in (walked, looked):
+            store(led, [1, 2])
+            out = led.prepare_store(ks(3), "w")  # 3 is being written
+            assert out is not None
+            apply_all(led, led.take_tasks())
+        keys = ks(1, 3, 2, 4, 5)
+        for step in range(3):
+            hits, pending = walked.walk_prefix("r", [keys])
+            results = []
+            for key in keys:
+                result = looked.lookup(key, "r")
+                results.append(result)
+                if result is MISS:
+                    break
+            lead = next((i for i, r in enumerate(results) if r is not HIT), len(results))
+            assert hits == lead, (tiers, step)
+            assert pending == any(r in (PENDING, RETRY) for r in results), (tiers, step)
+            for led in (walked, looked):
+                tasks = led.take_tasks()
+                for task in tasks:  # the tiers hold 4, not 5
+                    led.apply(task.task_id, [key == k(4) for key in task.keys])
+            assert walked.primary.statistics() == looked.primary.statistics()
+            assert walked.num_probes == looked.num_probes
 
 
 def test_promotions_batch_per_tier_and_request_and_share_keys() -> None:

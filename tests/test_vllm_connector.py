@@ -123,6 +123,41 @@ def test_promotion_from_fs_after_the_cpu_tier_evicted_them(tmp_path: Path) -> No
         h.assert_no_leaks()
 
 
+def test_cascades_wait_for_other_tier_work_or_their_hold(tmp_path: Path) -> None:
+    """A cascade is not what a request waits for: it stays queued (pinned) until a lookup or
+    promotion goes out anyway, or its hold passes, or enough blocks wait; never lost."""
+    fs = {"type": "fs", "root_dir": str(tmp_path / "kv")}
+    rng = random.Random(9)
+    with vh.VllmHarness(num_gpu_blocks=40, **ours(secondary_tiers=[fs])) as h:
+        scheduler = h.connector.scheduler
+        scheduler.cascade_hold_s = 3600.0  # never by time in this test
+        scheduler.cascade_hold_blocks = 1000
+        counters = ledger(h).counters[0]
+        h.add_request("first", random_tokens(rng, 100), max_tokens=2)
+        steps = 0
+        while ledger(h).queued_cascades < 6:  # its stores end (its lookup went out first)
+            assert steps < 100_000 and counters.cascaded == 0
+            h.step()
+            steps += 1
+        for _ in range(10):  # nothing else goes out: they stay queued
+            h.step()
+        assert ledger(h).queued_cascades == 6 and counters.cascaded == 0
+        assert h.has_work()  # held work keeps vLLM stepping (has_pending_push_work)
+        h.add_request("second", random_tokens(rng, 40), max_tokens=2)  # its lookup goes out
+        while counters.cascaded < 6:  # and the cascades with it
+            assert steps < 100_000
+            h.step()
+            steps += 1
+        scheduler.cascade_hold_blocks = 2  # second's 2 blocks go once both wait
+        h.run_until_done()
+        assert counters.cascaded == 8 and ledger(h).queued_cascades == 0
+        scheduler.cascade_hold_s = 0.0  # third's go at once
+        h.add_request("third", random_tokens(rng, 100), max_tokens=2)
+        h.run_until_done()
+        assert counters.cascaded == 14
+        h.assert_no_leaks()
+
+
 def test_a_damaged_fs_block_is_not_loaded_and_its_removal_is_announced(tmp_path: Path) -> None:
     """A block file of the prefix rots in the fs tier. The promotion that reads it fails
     verification and the tier deletes it; the scheduler applies that removal with the

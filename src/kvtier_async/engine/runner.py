@@ -84,10 +84,11 @@ class TaskRunner:
 
     # --- tasks out ---------------------------------------------------------------------
 
-    def take_jobs(self) -> list[Job]:
-        """The jobs deferred earlier, then jobs for the tasks the ledger decided since."""
+    def take_jobs(self, *, cascades: bool = True) -> list[Job]:
+        """The jobs deferred earlier, then jobs for the tasks the ledger decided since
+        (``cascades`` False: not the cascades, which stay queued in the ledger)."""
         jobs, self._deferred = self._deferred, []
-        tasks = self.ledger.take_tasks()
+        tasks = self.ledger.take_tasks(cascades=cascades)
         if tasks:
             jobs += self.jobs(tasks)
         return jobs
@@ -251,5 +252,5 @@ def _by_kind_and_tier(tasks: Sequence[TierTask]) -> Iterable[list[TierTask]]:
 def _batched(tasks: list[TierTask]) -> Job:
     first = tasks[0]
     keys = first.keys if len(tasks) == 1 else tuple(k for t in tasks for k in t.keys)
-    slots = np.concatenate([t.slot_ids for t in tasks])
+    slots = first.slot_ids if len(tasks) == 1 else np.concatenate([t.slot_ids for t in tasks])
     return Job(first.kind, keys, slots, tier=first.tier, tasks=tuple(tasks))

@@ -16,6 +16,7 @@ from ._types import (
     TierSpec,
     get_group_idx,
     make_offload_key,
+    make_offload_keys,
     split_offload_key,
 )
 from .keys import prefix_keys
@@ -47,6 +48,7 @@ __all__ = [
     "TieringLedger",
     "get_group_idx",
     "make_offload_key",
+    "make_offload_keys",
     "make_policy",
     "prefix_keys",
     "split_offload_key",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import NewType, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +28,7 @@ __all__ = [
     "TierSpec",
     "get_group_idx",
     "make_offload_key",
+    "make_offload_keys",
     "split_offload_key",
 ]
 
@@ -44,6 +45,17 @@ def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
     if not 0 <= group_idx < 1 << 32:
         raise ValueError(f"group_idx must be in [0, 2**32), got {group_idx}")
     return OffloadKey(block_hash + group_idx.to_bytes(_GROUP_BYTES, "big"))
+
+
+def make_offload_keys(block_hashes: Iterable[bytes], group_idx: int) -> list[OffloadKey]:
+    """`make_offload_key` of each hash, in order (the group index is checked once)."""
+    if not 0 <= group_idx < 1 << 32:
+        raise ValueError(f"group_idx must be in [0, 2**32), got {group_idx}")
+    suffix = group_idx.to_bytes(_GROUP_BYTES, "big")
+    keys = [bytes(block_hash) + suffix for block_hash in block_hashes]
+    if _GROUP_BYTES in map(len, keys):
+        raise ValueError("block_hash must not be empty")
+    return cast("list[OffloadKey]", keys)
 
 
 def split_offload_key(key: bytes) -> tuple[bytes, int]:

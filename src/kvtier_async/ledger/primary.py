@@ -61,6 +61,7 @@ written again since, as vLLM does.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
@@ -151,6 +152,10 @@ class PrimaryLedger:
     def slot_of(self, key: bytes) -> int | None:
         return self._slot_of.get(key)
 
+    def slots_of(self, keys: Iterable[bytes]) -> list[int | None]:
+        """`slot_of` of each key, in order."""
+        return list(map(self._slot_of.get, keys))
+
     def ref_count(self, key: bytes) -> int | None:
         slot = self._slot_of.get(key)
         return None if slot is None else self._ref[slot]
@@ -192,11 +197,14 @@ class PrimaryLedger:
             raise ValueError(f"first must be >= 0, got {first}")
         state = self._request(req)
         noted, seen = state.noted, state.seen
-        for position, key in enumerate(keys, first):
-            noted[key] = position
-            if key in seen and seen[key] != position:
-                seen[key] = position
-                state.in_order = False
+        if seen.keys().isdisjoint(keys):  # the rule: keys are noted before they are seen
+            noted.update(zip(keys, itertools.count(first)))
+        else:
+            for position, key in enumerate(keys, first):
+                noted[key] = position
+                if key in seen and seen[key] != position:
+                    seen[key] = position
+                    state.in_order = False
         state.next_position = max(state.next_position, first + len(keys))
 
     def request_finished(self, req: Hashable) -> None:

@@ -22,6 +22,10 @@ threshold aside: vLLM refuses ``store_threshold`` with tiers, we admit promotion
 request's later load of the key is then not a reuse, since it inserted it. Cascades pin
 their source slots without recording a use (vLLM's ``prepare_read``).
 
+A tier has one lookup task out at a time: the keys asked while it is out wait for its
+answer, then go together in the next one. A tier's answers take a round trip whatever the
+batch holds, so one lookup per step queued behind slow answers would only add latency.
+
 Lookup answers are kept while a request that asked is alive (`request_finished` releases
 them), so one request sees one consistent answer per key; cascades and failed promotions
 update them.
@@ -92,12 +96,13 @@ class _Probe:
 class _TierLookups:
     """One tier's lookup answers, the batch waiting to be asked, and who holds them."""
 
-    __slots__ = ("batch", "by_req", "probes")
+    __slots__ = ("asking", "batch", "by_req", "probes")
 
     def __init__(self) -> None:
         self.probes: dict[bytes, _Probe] = {}
         self.batch: list[bytes] = []
         self.by_req: dict[Hashable, set[bytes]] = {}
+        self.asking = 0  # the id of this tier's lookup task out, 0 when none is
 
     def ask(self, key: bytes, req: Hashable) -> bool | None:
         probe = self.probes.get(key)
@@ -153,6 +158,7 @@ class _TierLookups:
         self.probes.clear()
         self.batch.clear()
         self.by_req.clear()
+        self.asking = 0
 
 
 class TieringLedger:
@@ -186,6 +192,10 @@ class TieringLedger:
         result = self.primary.lookup(key)
         if result is not LookupResult.MISS:
             return result
+        return self._lookup_tiers(key, req)
+
+    def _lookup_tiers(self, key: bytes, req: Hashable) -> LookupResult:
+        """`lookup` of a key the primary does not hold."""
         retry = False
         for index, tier in enumerate(self._lookups):
             answer = tier.ask(key, req)
@@ -206,8 +216,25 @@ class TieringLedger:
         hits, pending, lookup = 0, False, self.lookup
         hit, miss = LookupResult.HIT, LookupResult.MISS
         if len(groups) == 1:  # the common case: no list per position
+            # The primary's answer inline (as `PrimaryLedger.lookup`): a re-asked request
+            # walks its keys every step, and most of them are in the primary.
+            slot_of, ref, tiers = self.primary._slot_of, self.primary._ref, self._lookup_tiers
+            # With one tier, its answers too: a key this request asked already and the tier
+            # has not answered yet is a RETRY, with nothing to record.
+            probes = self._lookups[0].probes if len(self._lookups) == 1 else {}
             for key in groups[0]:
-                result = lookup(key, req)
+                slot = slot_of.get(key)
+                if slot is not None:
+                    if ref[slot] < 0:
+                        pending = True
+                    elif not pending:
+                        hits += 1
+                    continue
+                probe = probes.get(key)
+                if probe is not None and probe.answer is None and req in probe.reqs:
+                    pending = True
+                    continue
+                result = tiers(key, req)
                 if result is miss:
                     break
                 if result is hit:
@@ -288,20 +315,27 @@ class TieringLedger:
         ids = np.asarray(slots, dtype=np.int64)
         return TierTask(next(self._ids), kind, tier, tuple(keys), ids, self.generation)
 
-    def take_tasks(self) -> list[TierTask]:
+    def take_tasks(self, *, cascades: bool = True) -> list[TierTask]:
         """Everything decided since the last call: promotions batched per (tier, request),
-        one lookup batch per tier, and the cascades. The owner must `apply` each."""
+        one lookup batch per tier that has none out, and the cascades (unless ``cascades``
+        is False: they stay queued, pinned, for a later call). The owner must `apply`
+        each."""
         tasks = [
             self._task(JobKind.PROMOTE, tier, keys, slots)
             for (tier, _req), (keys, slots) in self._promotions.items()
         ]
         self._promotions.clear()
         for index, tier in enumerate(self._lookups):
+            if tier.asking:
+                continue  # its keys wait for the answer of the lookup out
             batch = tier.take_batch()
             if batch:
-                tasks.append(self._task(JobKind.LOOKUP, index, batch, _NO_SLOTS))
-        tasks += self._queued
-        self._queued = []
+                task = self._task(JobKind.LOOKUP, index, batch, _NO_SLOTS)
+                tier.asking = task.task_id
+                tasks.append(task)
+        if cascades:
+            tasks += self._queued
+            self._queued = []
         for task in tasks:
             self._out[task.task_id] = task
         return tasks
@@ -315,6 +349,7 @@ class TieringLedger:
         good = [key for key, flag in zip(task.keys, ok) if flag]
         bad = [key for key, flag in zip(task.keys, ok) if not flag]
         if task.kind is JobKind.LOOKUP:
+            lookups.asking = 0
             lookups.answer(task.keys, ok)
             counters.lookups += len(task.keys)
             counters.lookup_hits += len(good)
@@ -345,6 +380,16 @@ class TieringLedger:
             self._events.append(OffloadingEvent(keys, Medium.STORAGE, removed=removed, tier=name))
 
     # --- state -------------------------------------------------------------------------
+
+    @property
+    def queued_cascades(self) -> int:
+        """Blocks of the cascades queued, not handed out yet."""
+        return sum(len(task.keys) for task in self._queued)
+
+    def has_urgent_work(self) -> bool:
+        """Whether `take_tasks` would hand out a promotion or a lookup (what a request
+        waits for, unlike a cascade)."""
+        return bool(self._promotions) or any(t.batch and not t.asking for t in self._lookups)
 
     def has_pending_work(self) -> bool:
         return bool(
