@@ -123,6 +123,47 @@ def test_promotion_from_fs_after_the_cpu_tier_evicted_them(tmp_path: Path) -> No
         h.assert_no_leaks()
 
 
+class _Waiting:
+    """What ``get_num_new_matched_tokens`` reads of a waiting request."""
+
+    def __init__(self, req_id: str, block_hashes: list[bytes]) -> None:
+        self.request_id = req_id
+        self.block_hashes = block_hashes
+        self.num_tokens = 16 * len(block_hashes) + 5
+
+
+def test_a_request_asked_again_keeps_its_pins_unless_more_arrived() -> None:
+    """vLLM asks a waiting request again each step it cannot schedule it: the hits it holds
+    pins for are answered again without a walk; a block stored after them meanwhile makes
+    the answer grow, as a fresh walk does."""
+    from kvtier_async.ledger import make_offload_key
+
+    with vh.VllmHarness(num_gpu_blocks=40, **OURS) as h:
+        scheduler, led = h.connector.scheduler, ledger(h)
+        hashes = [bytes([i + 1]) * 32 for i in range(6)]
+        keys = [make_offload_key(x, 0) for x in hashes]
+
+        def store(*index: int) -> None:
+            out = led.prepare_store([keys[i] for i in index], "writer")
+            led.complete_store(out.keys_to_store)
+
+        store(0, 1, 2)
+        request = _Waiting("waiting", hashes)
+        ref = led.primary.ref_count
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (48, True)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (48, True)
+        assert [ref(k) for k in keys[:3]] == [1, 1, 1]  # pinned once
+        store(3)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (64, True)
+        assert [ref(k) for k in keys[:4]] == [1, 1, 1, 1]
+        assert scheduler.get_num_new_matched_tokens(request, 16) == (48, True)  # 1 local
+        assert [ref(k) for k in keys[:4]] == [0, 1, 1, 1]
+        scheduler.request_finished(request)
+        assert [ref(k) for k in keys[:4]] == [0, 0, 0, 0]
+        scheduler._finish("waiting")
+        led.request_finished("writer")
+
+
 def test_cascades_wait_for_other_tier_work_or_their_hold(tmp_path: Path) -> None:
     """A cascade is not what a request waits for: it stays queued (pinned) until a lookup or
     promotion goes out anyway, or its hold passes, or enough blocks wait; never lost."""
@@ -183,6 +224,7 @@ def test_a_damaged_fs_block_is_not_loaded_and_its_removal_is_announced(tmp_path:
             return taken
 
         scheduler.ledger.take_events = recorded  # what vLLM's scheduler takes, each step
+        scheduler.ledger.events_enabled = True  # as with KV events on in vLLM
         first = h.add_request("first", [*prefix, 5], max_tokens=2)
         h.run_until_done()
         evict_gpu_prefix_cache(h)

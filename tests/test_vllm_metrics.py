@@ -254,6 +254,7 @@ def publish_events(h: Any) -> Recorder:
     them on for the connector, and vLLM's publisher swapped for a `Recorder`."""
     recorder = Recorder()
     h.connector._publish_events = True
+    h.connector.scheduler.ledger.events_enabled = True  # recorded, as with the config
     h.scheduler.kv_event_publisher = recorder
     return recorder
 
@@ -348,6 +349,20 @@ def test_a_block_the_fs_gc_deletes_is_announced(tmp_path: Path) -> None:
         assert first <= removed_from(recorder.events, "STORAGE")
         removed = [e for e in recorder.events if type(e).__name__ == "BlockRemoved"]
         assert {e.ownership for e in removed if e.medium == "STORAGE"} == {"disk"}
+
+
+def test_no_event_is_recorded_with_kv_events_off() -> None:
+    """As vLLM's manager: without ``enable_kv_cache_events`` nobody takes the events, so
+    the ledger records none (and a run costs no event objects)."""
+    with vh.VllmHarness(num_gpu_blocks=40, **OURS) as h:
+        assert h.connector._publish_events is False
+        ledger = h.connector.scheduler.ledger
+        assert ledger.events_enabled is False
+        h.add_request("a", random_tokens(random.Random(3), 100), max_tokens=2)
+        h.run_until_done()
+        assert ledger.primary.statistics().used > 0  # stored: events would have been due
+        assert ledger.take_events() == [] and h.connector.take_events() == ()
+        h.assert_no_leaks()
 
 
 def test_events_are_vllms_translation() -> None:

@@ -8,6 +8,8 @@ compare as bytes on the hot path; specs are small, picklable descriptions of tra
 from __future__ import annotations
 
 import enum
+import itertools
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NewType, cast
@@ -52,7 +54,11 @@ def make_offload_keys(block_hashes: Iterable[bytes], group_idx: int) -> list[Off
     if not 0 <= group_idx < 1 << 32:
         raise ValueError(f"group_idx must be in [0, 2**32), got {group_idx}")
     suffix = group_idx.to_bytes(_GROUP_BYTES, "big")
-    keys = [bytes(block_hash) + suffix for block_hash in block_hashes]
+    hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
+    if set(map(type, hashes)) <= {bytes}:  # vLLM's block hashes: concatenated in C
+        keys = list(map(operator.add, hashes, itertools.repeat(suffix)))
+    else:
+        keys = [bytes(block_hash) + suffix for block_hash in hashes]
     if _GROUP_BYTES in map(len, keys):
         raise ValueError("block_hash must not be empty")
     return cast("list[OffloadKey]", keys)

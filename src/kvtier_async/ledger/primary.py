@@ -64,7 +64,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -250,6 +250,15 @@ class PrimaryLedger:
     @staticmethod
     def _record_noted(state: RequestAccess, new: list[bytes]) -> None:
         seen, noted = state.seen, state.noted
+        found = list(map(noted.get, new))
+        if None not in found:  # every position noted (the connector notes them all)
+            positions = cast("list[int]", found)
+            if positions[0] > state.last_position:  # from after the last one seen
+                seen.update(zip(new, positions))
+                if positions != sorted(set(positions)):  # not strictly rising
+                    state.in_order = False
+                state.last_position = positions[-1]
+                return
         following, last, in_order = state.next_position, state.last_position, state.in_order
         for key in new:
             position = noted.get(key)

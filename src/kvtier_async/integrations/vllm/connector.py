@@ -54,6 +54,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self.metrics: SchedulerMetrics | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(vllm_config, kv_cache_config, config)
+            # As vLLM's manager: with KV events off, none is recorded (nobody takes them).
+            self._scheduler.ledger.events_enabled = self._publish_events
             max_model_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
             self.metrics = SchedulerMetrics(self._scheduler, max_model_len)
         else:

@@ -98,6 +98,7 @@ class _Request:
     cursor: list[int]  # per group: offloaded blocks considered for storing
     jobs: set[int] = field(default_factory=set)
     pinned: list[bytes] = field(default_factory=list)  # hits pinned, not yet loading
+    pinned_tokens: int = 0  # the answer the pins were taken for
     num_local_tokens: int = 0
     finished: bool = False
     load_failed: bool = False  # then the request recomputes instead of loading again
@@ -259,11 +260,13 @@ class ConnectorScheduler:
     ) -> tuple[int | None, bool]:
         self._drain_tier_results()
         st = self._state(request)
-        if st.pinned:
-            self._unpin(st)
         self._settled.discard(request.request_id)
         st.block_ids = [[] for _ in st.block_ids]
         st.cursor = [0] * len(st.cursor)  # (re)starting: offer every block again
+        if st.pinned:
+            if self._same_hits(st, request, num_computed_tokens):
+                return st.pinned_tokens, True
+            self._unpin(st)
         if st.jobs:
             return None, False
         if self._reset_fence:
@@ -287,7 +290,26 @@ class ConnectorScheduler:
         keys = self._chunk_keys(st, first, first + hits)
         self.ledger.prepare_load(keys, request.request_id)  # a reuse, as vLLM's prepare_load
         st.pinned = keys
-        return end_tokens - num_computed_tokens, True
+        st.pinned_tokens = end_tokens - num_computed_tokens
+        return st.pinned_tokens, True
+
+    def _same_hits(self, st: _Request, request: Any, num_computed_tokens: int) -> bool:
+        """Whether a request asked again (vLLM could not schedule it) would get the answer
+        it holds pins for: its hits are pinned, so still there, and the key after them is
+        still absent. Then the walk, the unpinning and the pinning again (a reuse already
+        recorded) are skipped. Only without tiers (a tier may have answered since) and with
+        the same locally computed tokens."""
+        if self.tiers or self._reset_fence or st.jobs or st.load_failed:
+            return False
+        if num_computed_tokens != st.num_local_tokens:
+            return False
+        chunk = self.layout.chunk_tokens
+        after = (num_computed_tokens + st.pinned_tokens) // chunk  # the first key not hit
+        last = min(len(st.keys[0]), (request.num_tokens - 1) // chunk)
+        if after >= last:
+            return True
+        slot_of = self.ledger.primary.slot_of
+        return all(slot_of(keys[after]) is None for keys in st.keys)
 
     def _chunk_keys(self, st: _Request, start: int, end: int) -> list[bytes]:
         return [key for keys in st.keys for key in keys[start:end]]
