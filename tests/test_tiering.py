@@ -179,6 +179,34 @@ def test_a_tier_has_one_lookup_out_and_the_keys_asked_meanwhile_go_together() ->
     assert led.walk_prefix("a", [ks(1)]) == (0, False)
 
 
+def test_still_pending_says_whether_a_walk_would_answer_pending_again() -> None:
+    led = tiering(tiers=1)
+    store(led, [1])
+    apply_all(led, led.take_tasks())  # the cascade: the tier has 1
+    assert led.walk_prefix("r", [ks(1, 2, 3)]) == (1, True)  # 2 and 3 asked
+    version = led.tier_version
+    assert led.still_pending(k(2), "r")
+    assert not led.still_pending(k(2), "other")  # not asked by that request
+    [lookup] = led.take_tasks()
+    assert led.still_pending(k(2), "r")  # being asked
+    led.apply(lookup.task_id, [False, False])  # nowhere
+    assert led.tier_version == version  # nothing found: no walk starts anything new
+    assert not led.still_pending(k(2), "r")  # answered
+    assert led.walk_prefix("r", [ks(1, 2, 3)]) == (1, False)
+    assert led.walk_prefix("s", [ks(4)]) == (0, True)
+    [lookup] = led.take_tasks()
+    led.apply(lookup.task_id, [True])  # found: a walk would promote it now
+    assert led.tier_version == version + 1
+    assert led.walk_prefix("s", [ks(4)]) == (0, True)  # its promotion started
+    assert led.still_pending(k(4), "s")  # being written to the primary
+    [promote] = led.take_tasks()
+    apply_all(led, [promote])
+    assert led.tier_version == version + 2 and not led.still_pending(k(4), "s")
+    two = tiering(tiers=2)
+    assert two.walk_prefix("r", [ks(5)]) == (0, True)
+    assert not two.still_pending(k(5), "r")  # with two tiers: only a fresh walk can say
+
+
 def test_walk_prefix_answers_as_lookup_does() -> None:
     """The walk reads the primary and a lone tier's answers itself: every walk's answer is
     that of `lookup` key by key, with the same effects (probes asked, promotions)."""

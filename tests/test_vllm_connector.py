@@ -164,6 +164,42 @@ def test_a_request_asked_again_keeps_its_pins_unless_more_arrived() -> None:
         led.request_finished("writer")
 
 
+def test_a_request_asked_again_while_its_walk_waits_is_not_walked_again(
+    tmp_path: Path,
+) -> None:
+    """A request whose walk waits on a key (a tier has not answered) is answered "ask
+    again" without a walk until the key is no longer pending or a tier result arrived that
+    could change what a walk does; then it is walked again."""
+    fs = {"type": "fs", "root_dir": str(tmp_path / "kv")}
+    with vh.VllmHarness(num_gpu_blocks=40, **ours(secondary_tiers=[fs])) as h:
+        scheduler, led = h.connector.scheduler, ledger(h)
+        walks: list[int] = []
+        walk = led.walk_prefix
+
+        def counted(req: Any, groups: Any) -> Any:
+            walks.append(1)
+            return walk(req, groups)
+
+        led.walk_prefix = counted
+        request = _Waiting("waiting", [bytes([i + 1]) * 32 for i in range(4)])
+        for _ in range(3):  # nothing is handed to the engine here: no answer can come
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+        assert len(walks) == 1
+        [lookup] = led.take_tasks()  # as the engine would: the tier has the first two
+        assert len(lookup.keys) == 4
+        led.apply(lookup.task_id, [True, True, False, False])
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)  # promoting
+        assert len(walks) == 2
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+        assert len(walks) == 2  # the promotion has not ended
+        [promote] = led.take_tasks()
+        led.apply(promote.task_id, [True, True])
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (32, True)
+        assert len(walks) == 3
+        scheduler.request_finished(request)
+        scheduler._finish("waiting")
+
+
 def test_cascades_wait_for_other_tier_work_or_their_hold(tmp_path: Path) -> None:
     """A cascade is not what a request waits for: it stays queued (pinned) until a lookup or
     promotion goes out anyway, or its hold passes, or enough blocks wait; never lost."""

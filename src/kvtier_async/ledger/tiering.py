@@ -139,11 +139,15 @@ class _TierLookups:
             else:
                 del self.probes[key]
 
-    def set_known(self, keys: Iterable[bytes], value: bool) -> None:
+    def set_known(self, keys: Iterable[bytes], value: bool) -> bool:
+        """Set the answers known of ``keys`` (those not being asked); whether one changed."""
+        changed = False
         for key in keys:
             probe = self.probes.get(key)
-            if probe is not None and not probe.in_flight:
+            if probe is not None and not probe.in_flight and probe.answer is not value:
                 probe.answer = value
+                changed = True
+        return changed
 
     def release(self, req: Hashable) -> None:
         for key in self.by_req.pop(req, ()):
@@ -182,6 +186,10 @@ class TieringLedger:
         self._ids = itertools.count(1)
         self._events: list[OffloadingEvent] = []
         self.generation = 0
+        # Bumped whenever a walk could start something new or answer otherwise for a reason
+        # other than its first pending key (a tier found a key, a promotion ended, a tier
+        # removed keys, a reset): see `still_pending`.
+        self.tier_version = 0
 
     # --- lookups -----------------------------------------------------------------------
 
@@ -251,6 +259,26 @@ class TieringLedger:
             else:
                 pending = True
         return hits, pending
+
+    def still_pending(self, key: bytes, req: Hashable) -> bool:
+        """Whether ``key``, the first pending key of a walk by ``req``, is pending still
+        and for a walk by ``req`` just as it was, so that a walk of the same keys (by
+        `walk_prefix`, with no change of `tier_version` since) would answer pending again:
+        it is being written to the primary, or (with one tier) absent from the primary and
+        asked by ``req`` but not answered. Skipping that walk differs from it only through
+        what the primary evicted or took in since, which the version does not follow: a
+        key evicted since (before the pending one or after it) would be asked of the tier
+        or promoted, or, the tier known to lack one before the pending key, the walk would
+        end there with fewer hits; keys after one that arrived would be asked. All of it
+        happens at the next walk instead, a step or so later: an answer is late, never
+        wrong."""
+        slot = self.primary._slot_of.get(key)
+        if slot is not None:
+            return self.primary._ref[slot] < 0
+        if len(self._lookups) != 1:
+            return False
+        probe = self._lookups[0].probes.get(key)
+        return probe is not None and probe.answer is None and req in probe.reqs
 
     def _promote(self, tier: int, key: bytes, req: Hashable) -> LookupResult:
         # vLLM's tiering manager reserves the slot with the CPU manager's own prepare_store
@@ -353,7 +381,9 @@ class TieringLedger:
             lookups.answer(task.keys, ok)
             counters.lookups += len(task.keys)
             counters.lookup_hits += len(good)
+            self.tier_version += bool(good)  # a key found: a walk may promote it now
         elif task.kind is JobKind.PROMOTE:
+            self.tier_version += 1
             self.primary.complete_store(good, True)
             self.primary.complete_store(bad, False)
             lookups.set_known(bad, False)
@@ -361,7 +391,7 @@ class TieringLedger:
             counters.promote_failed += len(bad)
         else:
             self.primary.complete_load(task.keys)
-            lookups.set_known(good, True)
+            self.tier_version += lookups.set_known(good, True)
             counters.cascaded += len(good)
             counters.cascade_failed += len(bad)
             if good:
@@ -371,6 +401,7 @@ class TieringLedger:
         """Tier ``tier`` deleted ``keys`` itself (a block failed verification, or its own
         GC): later lookups ask it again, and a removal is announced."""
         if keys:
+            self.tier_version += 1
             self._lookups[tier].set_known(keys, False)
             self._emit(tier, list(keys), removed=True)
 
@@ -437,3 +468,4 @@ class TieringLedger:
             tier.clear()
         self.primary.reset()
         self.generation += 1
+        self.tier_version += 1

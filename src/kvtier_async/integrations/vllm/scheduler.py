@@ -99,6 +99,9 @@ class _Request:
     jobs: set[int] = field(default_factory=set)
     pinned: list[bytes] = field(default_factory=list)  # hits pinned, not yet loading
     pinned_tokens: int = 0  # the answer the pins were taken for
+    # The first pending key of the last walk, with the ledger's tier version and the walk's
+    # bounds then (see `TieringLedger.still_pending`); None when the walk was not pending.
+    waiting_on: tuple[bytes, int, int, int] | None = None
     num_local_tokens: int = 0
     finished: bool = False
     load_failed: bool = False  # then the request recomputes instead of loading again
@@ -279,10 +282,21 @@ class ConnectorScheduler:
         first = num_computed_tokens // chunk
         # At least one token must be left to compute: never the request's last token.
         last = min(len(st.keys[0]), (request.num_tokens - 1) // chunk)
-        hits, pending = self.ledger.walk_prefix(
+        ledger = self.ledger
+        waiting = st.waiting_on
+        if waiting is not None:  # asked again while a key of the last walk was pending
+            st.waiting_on = None
+            if waiting[1:] == (ledger.tier_version, first, last) and ledger.still_pending(
+                waiting[0], request.request_id
+            ):
+                st.waiting_on = waiting
+                return None, False  # the walk would say so again, and start nothing
+        hits, pending = ledger.walk_prefix(
             request.request_id, [keys[first:last] for keys in st.keys]
         )
         if pending:
+            if len(st.keys) == 1:  # the first key not hit is the first pending one
+                st.waiting_on = (st.keys[0][first + hits], ledger.tier_version, first, last)
             return None, False
         end_tokens = (first + hits) * chunk
         if hits == 0 or end_tokens <= num_computed_tokens:
