@@ -214,14 +214,15 @@ class ConnectorScheduler:
             return  # no tier: no tier job, ever
         ledger = self.ledger
         cascades = ledger.has_urgent_work()
-        if ledger.queued_cascades:
+        queued = ledger.queued_cascades
+        if queued:
             now = time.monotonic()
             if self._cascades_since is None:
                 self._cascades_since = now
             cascades = (
                 cascades
                 or now - self._cascades_since >= self.cascade_hold_s
-                or ledger.queued_cascades >= self.cascade_hold_blocks
+                or queued >= self.cascade_hold_blocks
             )
             if cascades:
                 self._cascades_since = None
