@@ -200,7 +200,10 @@ def test_the_vllm_connector_never_shows_its_credentials(
     import vllm_harness as vh
 
     vh.load()
-    tier = obj_tier(s3_bucket, endpoint_override=moto_s3.endpoint)
+    # The harness's scheduler thread holds the GIL between its steps, so the tier's requests
+    # (on the engine's thread) advance a switch interval at a time: on a slow machine the
+    # first lookup took over the default 1 s. Time is not what this test is about.
+    tier = obj_tier(s3_bucket, endpoint_override=moto_s3.endpoint, lookup_timeout_s=10)
     extra = {**vh.cpu_offloading(), "spec_name": "TieringOffloadingSpec", "secondary_tiers": [tier]}
     prompt = vh.random_tokens(random.Random(4), 70)
     with vh.VllmHarness(**{**vh.OURS, "extra_config": extra}, num_gpu_blocks=40) as h:

@@ -260,7 +260,8 @@ def test_a_damaged_fs_block_is_not_loaded_and_its_removal_is_announced(tmp_path:
             return taken
 
         scheduler.ledger.take_events = recorded  # what vLLM's scheduler takes, each step
-        scheduler.ledger.events_enabled = True  # as with KV events on in vLLM
+        h.connector._publish_events = True  # as with KV events on in vLLM
+        scheduler.ledger.events_enabled = True
         first = h.add_request("first", [*prefix, 5], max_tokens=2)
         h.run_until_done()
         evict_gpu_prefix_cache(h)

@@ -421,7 +421,8 @@ class PrimaryLedger:
     def _release(self, victims: list[bytes]) -> None:
         self._free.extend(map(self._slot_of.pop, victims))
         self._num_evictable -= len(victims)
-        self._emit(OffloadingEvent(victims, self.medium, removed=True))
+        if self.events_enabled:
+            self._events.append(OffloadingEvent(victims, self.medium, removed=True))
 
     def _emit(self, event: OffloadingEvent) -> None:
         if self.events_enabled:
@@ -466,9 +467,10 @@ class PrimaryLedger:
             self._free.extend(map(slot_of.pop, done))
             for key in done:
                 self.policy.remove(key)
-        self._emit(
-            OffloadingEvent(done, self.medium, removed=not success, metadata_only=not success)
-        )
+        if self.events_enabled:
+            self._events.append(
+                OffloadingEvent(done, self.medium, removed=not success, metadata_only=not success)
+            )
         return done
 
     # --- events and reset --------------------------------------------------------------

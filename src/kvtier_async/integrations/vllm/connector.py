@@ -19,6 +19,7 @@ when vLLM publishes them) go through vLLM's own translation (`.events`).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from time import monotonic
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -121,7 +122,7 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         metrics = self.metrics
         assert metrics is not None, "called on the worker role"
-        started = metrics.lookup_started()
+        started = monotonic()
         answer = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         metrics.lookup_done(request.request_id, started, answer[0])
         return answer
@@ -147,10 +148,9 @@ class KVTierConnector(KVConnectorBase_V1):
         return self.scheduler.request_finished(request)
 
     def take_events(self) -> Iterable[Any]:
-        events = self.scheduler.take_events()
         if not self._publish_events:
-            return ()  # KV events are off in vLLM: nothing to convert
-        return self._events.translate(events)
+            return ()  # KV events are off in vLLM: the ledger records none
+        return self._events.translate(self.scheduler.take_events())
 
     # --- stats and metrics ------------------------------------------------------------
 

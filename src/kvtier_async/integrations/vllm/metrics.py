@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
     OffloadPromMetrics,
     _ConnectorMetricName,
+    _MetricType,
     _TransferMetricName,
 )
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
@@ -86,39 +87,51 @@ class SchedulerMetrics:
         self._scheduler = scheduler
         self._info = config_info(scheduler.layout, max_model_len)
         self._stats = OffloadingConnectorStats()
+        self._sync_delays: list[float] = []  # lookup sync delays since the last payload
         self._deferred: dict[str, float] = {}  # request -> when its first lookup deferred
         self._sent: Samples = {}
         self._allocation_failures = 0
         self._info_sent = False
         self._series_due = 0.0  # time.monotonic() from which the series are read again
 
-    def lookup_started(self) -> float:
-        return time.monotonic()
-
     def lookup_done(self, req_id: str, started: float, hit_tokens: int | None) -> None:
-        """A ``get_num_new_matched_tokens`` call that began at ``started`` answered
-        ``hit_tokens`` (None: ask again)."""
+        """A ``get_num_new_matched_tokens`` call that began at ``started`` (its
+        ``time.monotonic()``) answered ``hit_tokens`` (None: ask again). Called per lookup:
+        the sample joins the payload at `take`."""
         now = time.monotonic()
-        self._stats.observe_histogram(_ConnectorMetricName.LOOKUP_SYNC_DELAY, now - started)
+        self._sync_delays.append(now - started)
         if hit_tokens is None:
             self._deferred.setdefault(req_id, started)
-        else:
+        elif self._deferred:
             self._async_done(req_id, now)
 
     def request_finished(self, req_id: str) -> None:
-        self._async_done(req_id, time.monotonic())
+        if self._deferred:
+            self._async_done(req_id, time.monotonic())
 
     def _async_done(self, req_id: str, now: float) -> None:
         started = self._deferred.pop(req_id, None)
         if started is not None:
             self._stats.observe_histogram(_ConnectorMetricName.LOOKUP_ASYNC_DELAY, now - started)
 
-    def take(self) -> OffloadingConnectorStats:
+    def take(self) -> OffloadingConnectorStats | None:
         """The payload for this step: what was observed since the last one, the config info
         the first time, and (every ``series_interval_s``) our series' increments and gauges
-        and the CPU tier's usage."""
-        stats, self._stats = self._stats, OffloadingConnectorStats()
+        and the CPU tier's usage; None when there is none of it."""
         failures = self._scheduler.store_allocation_failures
+        clock = time.monotonic()
+        series = clock >= self._series_due
+        delays = self._sync_delays
+        due = delays or series or failures > self._allocation_failures or not self._info_sent
+        if not due and self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, OffloadingConnectorStats()
+        if delays:  # observe_histogram's effect, for all of them at once
+            self._sync_delays = []
+            types, values = stats.metric_sections()
+            name = _ConnectorMetricName.LOOKUP_SYNC_DELAY
+            types.setdefault(name, _MetricType.HISTOGRAM)
+            values.setdefault(name, {}).setdefault((), []).extend(delays)
         if failures > self._allocation_failures:
             stats.increase_counter(
                 _ConnectorMetricName.ALLOCATION_FAILURE, failures - self._allocation_failures
@@ -127,8 +140,7 @@ class SchedulerMetrics:
         if not self._info_sent:
             stats.set_info([self._info])
             self._info_sent = True
-        clock = time.monotonic()
-        if clock >= self._series_due:
+        if series:
             self._series_due = clock + self.series_interval_s
             self._add_series(stats)
         return stats

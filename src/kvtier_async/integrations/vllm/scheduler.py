@@ -49,9 +49,10 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier_async._log import get_logger
 from kvtier_async.engine import Engine, LaneStatistics, TaskRunner, ThreadedEngine
@@ -98,6 +99,7 @@ class _Request:
     cursor: list[int]  # per group: offloaded blocks considered for storing
     jobs: set[int] = field(default_factory=set)
     pinned: list[bytes] = field(default_factory=list)  # hits pinned, not yet loading
+    pinned_slots: npt.NDArray[np.int64] | None = None  # their CPU slots (pins keep them)
     pinned_tokens: int = 0  # the answer the pins were taken for
     # The first pending key of the last walk, with the ledger's tier version and the walk's
     # bounds then (see `TieringLedger.still_pending`); None when the walk was not pending.
@@ -146,7 +148,6 @@ class ConnectorScheduler:
         self._jobs: dict[int, _DeviceJobState] = {}
         self._job_ids = itertools.count(1)
         self._stale_below = 0  # device jobs from before a reset_cache are ignored
-        self._block_jobs: dict[int, set[int]] = {}  # GPU block -> store jobs reading it
         self._step_loads: dict[int, DeviceJob] = {}
         self._step_allocated: set[int] = set()
         self._reset_fence: dict[int, int] = {}  # device job flushed by a reset -> reports due
@@ -303,7 +304,8 @@ class ConnectorScheduler:
         if hits == 0 or end_tokens <= num_computed_tokens:
             return 0, False
         keys = self._chunk_keys(st, first, first + hits)
-        self.ledger.prepare_load(keys, request.request_id)  # a reuse, as vLLM's prepare_load
+        # A reuse, as vLLM's prepare_load.
+        st.pinned_slots = self.ledger.prepare_load(keys, request.request_id)
         st.pinned = keys
         st.pinned_tokens = end_tokens - num_computed_tokens
         return st.pinned_tokens, True
@@ -332,7 +334,7 @@ class ConnectorScheduler:
     def _unpin(self, st: _Request) -> None:
         if st.pinned:
             self.ledger.complete_load(st.pinned)
-            st.pinned = []
+            st.pinned, st.pinned_slots = [], None
 
     # --- loads ------------------------------------------------------------------------
 
@@ -362,12 +364,16 @@ class ConnectorScheduler:
         )
         self._step_allocated.update(ids)
         job_id = self._new_job(st, keys, is_store=False, blocks=ids)
-        self._step_loads[job_id] = DeviceJob(request.request_id, spec, CPUSpec.of(slots), False)
+        self._step_loads[job_id] = DeviceJob(request.request_id, spec, CPUSpec(slots), False)
         if self.ledger.store_policy is StorePolicy.BLOCK_LEVEL:
             st.cursor = [max(c, end_chunk) for c in st.cursor]
 
-    def _take_pins(self, st: _Request, keys: list[bytes]) -> list[int]:
-        """Hand the pins of ``keys`` to a load job; release the other pins."""
+    def _take_pins(self, st: _Request, keys: list[bytes]) -> npt.NDArray[np.int64]:
+        """Hand the pins of ``keys`` to a load job (their slots); release the other pins."""
+        pinned_slots, st.pinned_slots = st.pinned_slots, None
+        if keys == st.pinned and pinned_slots is not None:  # the usual case: every hit
+            st.pinned = []
+            return pinned_slots
         wanted = set(keys)
         if not wanted.issubset(st.pinned):
             raise RuntimeError(
@@ -380,7 +386,7 @@ class ConnectorScheduler:
         slots = self.ledger.primary.slots_of(keys)
         if None in slots:
             raise RuntimeError("a pinned key left the CPU tier")  # pins prevent this
-        return cast("list[int]", slots)
+        return np.array(slots, dtype=np.int64)
 
     def _new_job(
         self, st: _Request, keys: Sequence[bytes], *, is_store: bool, blocks: list[int]
@@ -390,9 +396,6 @@ class ConnectorScheduler:
             st.req.request_id, keys, is_store, self.layout.num_workers, blocks
         )
         st.jobs.add(job_id)
-        if is_store:
-            for block in blocks:
-                self._block_jobs.setdefault(block, set()).add(job_id)
         return job_id
 
     # --- the end of a step: stores, flushes, tier work -------------------------------
@@ -407,19 +410,18 @@ class ConnectorScheduler:
         finished_stores: Iterable[str] = finished
         if self._reset_fence:  # no store into a slot a late copy may touch: offered later
             scheduled, finished_stores = {}, ()
-        for req_id in itertools.chain(scheduled, finished_stores):
-            if req_id in settled:
-                continue  # its prompt's blocks were all considered: nothing to store
-            st = self._reqs.get(req_id)
+        reqs = self._reqs
+        # A settled request's prompt blocks were all considered: nothing to store.
+        for req_id in [r for r in itertools.chain(scheduled, finished_stores) if r not in settled]:
+            st = reqs.get(req_id)
             if st is not None:
                 self._build_store(st, scheduled.get(req_id, 0), stores)
+        allocated, jobs = self._step_allocated, self._jobs
         for job_id, job in stores.items():
             # A finished request's blocks were freed; if this step hands one to another
             # request, its store must be done before the forward pass writes there.
             st = self._reqs[job.req_id]
-            if st.req.is_finished() and not self._step_allocated.isdisjoint(
-                job.gpu.block_ids.tolist()
-            ):
+            if st.req.is_finished() and not allocated.isdisjoint(jobs[job_id].blocks):
                 flush.add(job_id)
         for req_id in finished:
             self._finish(req_id)
@@ -457,10 +459,13 @@ class ConnectorScheduler:
             st = self._reqs.get(req_id)
             if st is not None:
                 flush |= {j for j in st.jobs if self._jobs[j].is_store}
-        block_jobs = self._block_jobs
-        if block_jobs:
-            for block in self._step_allocated & block_jobs.keys():
-                flush |= block_jobs[block]
+        allocated = self._step_allocated
+        if allocated:  # the stores in flight are few: each is checked (in C)
+            flush.update(
+                job_id
+                for job_id, job in self._jobs.items()
+                if job.is_store and not allocated.isdisjoint(job.blocks)
+            )
         return flush
 
     def _build_store(self, st: _Request, num_scheduled: int, stores: dict[int, DeviceJob]) -> None:
@@ -492,8 +497,12 @@ class ConnectorScheduler:
                         blocks=len(offer),
                     )
                     return
-                if out.keys_to_store:
-                    self._add_store(st, out.keys_to_store, dict(zip(offer, where)), out, stores)
+                keys = out.keys_to_store
+                if len(keys) < len(offer):  # keys_to_store keeps the offered order
+                    position = dict(zip(offer, where))
+                    where = [position[key] for key in keys]
+                if keys:
+                    self._add_store(st, keys, where, out, stores)
             st.cursor = [max(c, chunks) for c in cursor]
         if self.config.offload_prompt_only and not finished:
             self._maybe_settle(st)
@@ -528,18 +537,25 @@ class ConnectorScheduler:
         self,
         st: _Request,
         keys: list[bytes],
-        position: dict[bytes, tuple[int, int]],
+        where: list[tuple[int, int]],
         out: PrepareStoreOutput,
         stores: dict[int, DeviceJob],
     ) -> None:
+        """A store job of ``keys``, the (group, offloaded block) of each in ``where``
+        (group by group, as offered)."""
         factor = self.layout.factor
-        ids: list[int] = []
-        sizes = [0] * len(st.block_ids)
         block_ids = st.block_ids
-        for key in keys:  # keys_to_store keeps the offered order: group by group
-            g, c = position[key]
-            ids += block_ids[g][c * factor : (c + 1) * factor]
-            sizes[g] += factor
+        ids: list[int]
+        if factor == 1 and len(block_ids) == 1:  # one GPU block per key, one group
+            row = block_ids[0]
+            ids = [row[c] for _, c in where]
+            sizes = [len(ids)]
+        else:
+            ids = []
+            sizes = [0] * len(block_ids)
+            for g, c in where:
+                ids += block_ids[g][c * factor : (c + 1) * factor]
+                sizes[g] += factor
         job_id = self._new_job(st, keys, is_store=True, blocks=ids)
         spec = GPUSpec(np.array(ids, dtype=np.int64), tuple(sizes), (0,) * len(sizes))
         stores[job_id] = DeviceJob(st.req.request_id, spec, out.store_spec, True)
@@ -582,13 +598,6 @@ class ConnectorScheduler:
         del self._jobs[job_id]
         kind = JobKind.STORE if job.is_store else JobKind.LOAD
         self._runner.apply_copy(kind, job.keys, (not job.failed,) * len(job.keys), job_id=job_id)
-        if job.is_store:
-            for block in job.blocks:
-                readers = self._block_jobs.get(block)
-                if readers is not None:
-                    readers.discard(job_id)
-                    if not readers:
-                        del self._block_jobs[block]
         st = self._reqs.get(job.req_id)
         if st is not None:
             st.jobs.discard(job_id)
@@ -649,12 +658,11 @@ class ConnectorScheduler:
         for job_id, job in self._jobs.items():
             self._reset_fence[job_id] = job.pending
         self._jobs.clear()
-        self._block_jobs.clear()
         self._stale_below = next(self._job_ids)
         self._settled.clear()
         for st in self._reqs.values():
             st.jobs.clear()
-            st.pinned = []
+            st.pinned, st.pinned_slots = [], None
             st.cursor = [0] * len(st.cursor)
         self.ledger.reset()
         for req_id in [r for r, st in self._reqs.items() if st.finished]:
