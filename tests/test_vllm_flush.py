@@ -61,8 +61,9 @@ def tiers(moto_s3: Any, s3_bucket: str, tmp_path: Path) -> list[dict[str, Any]]:
         {"type": "fs", "root_dir": str(tmp_path / "kv")},
         # Generous deadlines: moto shares this process (and its GIL) with the scheduler and
         # the fake model, and on a loaded machine a 1 s lookup can time out and open the
-        # breaker; this test is about stale bytes, not about a slow endpoint.
-        {**moto_s3.tier_config(s3_bucket), "timeout_s": 30.0, "lookup_timeout_s": 10.0},
+        # breaker (on a slow machine, a lookup once took over 10 s: the scheduler's thread
+        # steps without a pause); this test is about stale bytes, not a slow endpoint.
+        {**moto_s3.tier_config(s3_bucket), "timeout_s": 30.0, "lookup_timeout_s": 30.0},
     ]
 
 

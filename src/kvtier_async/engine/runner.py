@@ -140,7 +140,7 @@ class TaskRunner:
         cascade), the others are freed; a LOAD's pins are released. Never raises."""
         try:
             if kind is JobKind.STORE:
-                good = [key for key, flag in zip(keys, ok) if flag]
+                good = keys if all(ok) else [key for key, flag in zip(keys, ok) if flag]
                 if good:
                     self.ledger.complete_store(good, True)
                 if len(good) < len(keys):

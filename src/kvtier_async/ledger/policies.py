@@ -25,12 +25,13 @@ only ever moves up: a request started later pulls shared keys into its rank, an 
 does not); a finished request and a `touch` give each key a fresh global rank, tail first,
 so the head ends most recent. vLLM keeps a lazily invalidated heap; we keep *buckets* in
 rank order. A rank number is drawn only when a bucket is created, so buckets are appended
-to a dict and never move: a request's bucket (its rank: created when the request draws it,
-dropped when it finishes) holds keys by ``(-position, key)``, which as a rule arrive head ->
-tail and are iterated backwards (a scan that reaches the bucket after keys arrived checks
-the order, and sorts it if need be); a fresh bucket holds keys in the order their ranks
-were drawn, and takes more fresh ranks until another rank number is drawn. Moving a key is
-O(1); a victim scan walks buckets from the oldest, O(victims + skipped).
+to a dict and never move: a request's bucket (its rank: created when the request draws it;
+when it finishes, dropped, or turned into the open fresh bucket under a new rank when it
+holds every key the request ranks) holds keys by ``(-position, key)``, which as a rule
+arrive head -> tail and are iterated backwards (a scan that reaches the bucket after keys
+arrived checks the order, and sorts it if need be); a fresh bucket holds keys in the order
+their ranks were drawn, and takes more fresh ranks until another rank number is drawn.
+Moving a key is O(1); a victim scan walks buckets from the oldest, O(victims + skipped).
 
 **ARC.** vLLM's exactly: T1 (seen once) and T2 (reused) as plain recency lists, ghost lists
 B1/B2 capped at the capacity; a ghost hit on a store miss moves the target size of T1
@@ -341,10 +342,11 @@ class LRUPolicy(CachePolicy):
         tail_first = [key for key in reversed(order) if key in where]
         if len(tail_first) == len(mine.keys):  # all in ``mine`` (which holds only these)
             del self._buckets[mine.rank]
-            if tail_first:
-                fresh = self._open or self._new_bucket(False)
-                fresh.keys.update(dict.fromkeys(tail_first, 0))
-                where.update(dict.fromkeys(tail_first, fresh))
+            if tail_first:  # ``mine`` becomes the open fresh bucket: its keys stay put
+                self._next_rank += 1
+                mine.rank, mine.request, mine.ordered = self._next_rank, False, True
+                mine.keys = dict.fromkeys(tail_first, 0)
+                self._buckets[mine.rank] = self._open = mine
             return
         bucket = self._open
         left = len(mine.keys)  # every key ranked by the request is in ``order``

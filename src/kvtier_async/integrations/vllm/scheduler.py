@@ -204,7 +204,9 @@ class ConnectorScheduler:
         threaded, runner = self._threaded, self._runner
         if threaded is None or not runner.has_pending_work():  # nothing out: nothing back
             return
-        runner.collect(threaded.poll())
+        results = threaded.poll()
+        if results:
+            runner.collect(results)
 
     def _submit_tier_work(self) -> None:
         """The deferred tier jobs, and jobs for the tasks the ledger decided since; the
@@ -264,6 +266,13 @@ class ConnectorScheduler:
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         self._drain_tier_results()
+        st = self._reqs.get(request.request_id)
+        if (
+            st is not None
+            and st.waiting_on is not None
+            and self._still_waiting(st, request, num_computed_tokens)
+        ):
+            return None, False
         st = self._state(request)
         self._settled.discard(request.request_id)
         st.block_ids = [[] for _ in st.block_ids]
@@ -285,14 +294,6 @@ class ConnectorScheduler:
         # At least one token must be left to compute: never the request's last token.
         last = min(len(st.keys[0]), (request.num_tokens - 1) // chunk)
         ledger = self.ledger
-        waiting = st.waiting_on
-        if waiting is not None:  # asked again while a key of the last walk was pending
-            st.waiting_on = None
-            if waiting[1:] == (ledger.tier_version, first, last) and ledger.still_pending(
-                waiting[0], request.request_id
-            ):
-                st.waiting_on = waiting
-                return None, False  # the walk would say so again, and start nothing
         hits, pending = ledger.walk_prefix(
             request.request_id, [keys[first:last] for keys in st.keys]
         )
@@ -309,6 +310,27 @@ class ConnectorScheduler:
         st.pinned = keys
         st.pinned_tokens = end_tokens - num_computed_tokens
         return st.pinned_tokens, True
+
+    def _still_waiting(self, st: _Request, request: Any, num_computed_tokens: int) -> bool:
+        """Whether a request asked again while its last walk waits on a key (a request
+        that did not run since: no pins, no jobs, no blocks) would get "ask again" once
+        more, and start nothing: the same bounds, no tier result since that could change
+        the walk (`TieringLedger.tier_version`), and that key still pending. Then the rest
+        of the ask is skipped too. Clears the memo when not."""
+        waiting = st.waiting_on
+        assert waiting is not None
+        chunk = self.layout.chunk_tokens
+        last = min(len(st.keys[0]), (request.num_tokens - 1) // chunk)
+        ledger = self.ledger
+        if (
+            not self._reset_fence
+            and waiting[1:] == (ledger.tier_version, num_computed_tokens // chunk, last)
+            and ledger.still_pending(waiting[0], request.request_id)
+        ):
+            st.num_local_tokens = num_computed_tokens
+            return True
+        st.waiting_on = None
+        return False
 
     def _same_hits(self, st: _Request, request: Any, num_computed_tokens: int) -> bool:
         """Whether a request asked again (vLLM could not schedule it) would get the answer
@@ -434,10 +456,12 @@ class ConnectorScheduler:
         for data in out.scheduled_new_reqs:
             self._set_blocks(data.req_id, data.block_ids, full=True)
         cached = out.scheduled_cached_reqs
-        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
-        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
-            if new_ids is not None:
-                self._set_blocks(req_id, new_ids, full=req_id in resumed)
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
+        new_block_ids = cached.new_block_ids  # None where a request got no new block
+        for req_id, new_ids in zip(
+            itertools.compress(cached.req_ids, new_block_ids), filter(None, new_block_ids)
+        ):
+            self._set_blocks(req_id, new_ids, full=req_id in resumed)
 
     def _set_blocks(self, req_id: str, groups: Sequence[list[int]] | None, *, full: bool) -> None:
         st = self._reqs.get(req_id)
