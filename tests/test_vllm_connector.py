@@ -303,6 +303,56 @@ def test_restart_on_the_same_fs_root(tmp_path: Path) -> None:
     store_then_restart(fs, vh.write_model_dir(tmp_path / "model"), seed=6)
 
 
+def test_a_request_waiting_on_a_lookup_is_answered_without_a_walk(tmp_path: Path) -> None:
+    """A request whose walk waits on the fs tier's lookup is asked again every step. While
+    nothing that could change its walk happened (the lookup held here), the answer is "ask
+    again" without walking its keys; once the lookup answers, the next ask walks, and the
+    request loads every block as it would have."""
+    import threading
+
+    import anyio.to_thread
+
+    fs = {"type": "fs", "root_dir": str(tmp_path / "kv")}
+    model = vh.write_model_dir(tmp_path / "model")
+    prefix = random_tokens(random.Random(14), 100)
+    config = ours(secondary_tiers=[fs])
+    with vh.VllmHarness(num_gpu_blocks=40, model_dir=model, **config) as h:
+        h.add_request("first", [*prefix, 5], max_tokens=2)
+        h.run_until_done()
+        assert ledger(h).counters[0].cascaded >= 6
+    release = threading.Event()
+    with vh.VllmHarness(num_gpu_blocks=40, model_dir=model, **config) as h:
+        scheduler = h.connector.scheduler
+        (tier,) = scheduler._threaded.engine.tiers
+        lookup = tier.lookup
+
+        async def held_lookup(keys: Any) -> list[bool]:
+            assert await anyio.to_thread.run_sync(release.wait, 30.0), "never released"
+            return await lookup(keys)
+
+        tier.lookup = held_lookup
+        walks: list[Any] = []
+        walk = scheduler.ledger.walk_prefix
+
+        def counted(*args: Any) -> Any:
+            walks.append(args)
+            return walk(*args)
+
+        scheduler.ledger.walk_prefix = counted
+        try:
+            h.add_request("second", [*prefix, 6], max_tokens=2)
+            for _ in range(4):
+                h.step()
+            assert len(walks) == 1  # the first ask; the three after it skipped the walk
+            assert h.connector.scheduler._reqs["second"].waiting_on is not None
+        finally:
+            release.set()
+        h.run_until_done()
+        assert len(walks) > 1  # the answer changed the walk: walked again
+        assert h.stats.external_hit_tokens == 96  # all 6 blocks, promoted from the files
+        h.assert_no_leaks()
+
+
 def test_s3_tier_on_the_loopback_server(moto_s3: Any, s3_bucket: str, tmp_path: Path) -> None:
     # moto answers from this process's threads, beside a scheduler that busy-steps: the
     # default 1 s lookup deadline can pass on a loaded machine, and a late lookup is a miss.
