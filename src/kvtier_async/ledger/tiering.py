@@ -187,8 +187,9 @@ class TieringLedger:
         self._events: list[OffloadingEvent] = []
         self.generation = 0
         # Bumped whenever a walk could start something new or answer otherwise for a reason
-        # other than its first pending key (a tier found a key, a promotion ended, a tier
-        # removed keys, a reset): see `still_pending`.
+        # other than its first pending key (a tier found a key, a promotion ended, a
+        # cascade changed a known answer, a tier removed keys, a reset): see
+        # `still_pending`.
         self.tier_version = 0
 
     # --- lookups -----------------------------------------------------------------------

@@ -6,7 +6,9 @@ Per step, vLLM calls (on its scheduler thread, never blocked here):
   from its first block not computed locally. A tier that has not answered makes the answer
   None ("ask again"), and so does a job of the request still in flight. Hits are pinned at
   once (the pins wait for ``update_state_after_alloc``, or are released when the request is
-  asked again or ends), and loaded asynchronously.
+  asked again or ends), and loaded asynchronously. A request asked again while the key
+  its last walk waited on is still pending, with no tier result since that could change
+  the walk, gets None at once, without a walk (`TieringLedger.still_pending`).
 - ``update_state_after_alloc``: pair the hit keys with the GPU blocks vLLM allocated
   (``block_size_factor`` GPU blocks per key; the first may start inside a key's span).
 - ``build_connector_meta``: choose what to store (reference 3.1): tokens computed or
