@@ -1,4 +1,4 @@
-"""`KVTierConnector`: vLLM 0.33's KV-connector interface over the kvtier engine.
+"""`KVTierConnector`: vLLM's KV-connector interface (0.32 and 0.33) over the kvtier engine.
 
 Load it with::
 
@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 
+from ._compat import log_missing_features
 from .config import ConnectorConfig
 from .events import VllmEvents
 from .metadata import KVTierMetadata, KVTierWorkerMetadata
@@ -44,6 +45,7 @@ __all__ = ["KVTierConnector"]
 class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        log_missing_features()
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         config = ConnectorConfig.from_extra_config(extra)
         events = getattr(vllm_config, "kv_events_config", None)

@@ -7,7 +7,9 @@ tracker in its default mode (no self-describing payloads): a `BlockStored` per s
 group of removed keys, vLLM's medium strings (``"CPU"``, ``"STORAGE"``) and the secondary
 tier's name as ``ownership``. A failed write's bookkeeping removal is not announced. A
 reset of the CPU tier (a ``cleared`` event) is one `AllBlocksCleared`; the tracker forgets
-what it held, as vLLM's scheduler resets it in ``reset_cache``.
+what it held, as vLLM's scheduler resets it in ``reset_cache``. On a vLLM whose events have
+no ``metadata_only`` (0.32, whose manager records nothing for a failed write), those
+bookkeeping removals are dropped here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from vllm.v1.kv_offload.base import OffloadingEvent as VllmEvent
 from vllm.v1.kv_offload.base import OffloadingKVEventsConfig, OffloadKey
 
 from kvtier_async.ledger import OffloadingEvent
+
+from ._compat import HAS_METADATA_ONLY
 
 __all__ = ["VllmEvents", "events_to_vllm"]
 
@@ -42,7 +46,8 @@ class VllmEvents:
         batch: list[VllmEvent] = []
         for event in events:
             if not event.cleared:
-                batch.append(_as_vllm(event))
+                if HAS_METADATA_ONLY or not event.metadata_only:
+                    batch.append(_as_vllm(event))
                 continue
             out += self.tracker.take_events(batch)
             batch = []
@@ -53,12 +58,13 @@ class VllmEvents:
 
 
 def _as_vllm(event: OffloadingEvent) -> VllmEvent:
+    extra: dict[str, Any] = {"metadata_only": event.metadata_only} if HAS_METADATA_ONLY else {}
     return VllmEvent(
         keys=[OffloadKey(key) for key in event.keys],
         medium=VllmMedium[event.medium.name],
         removed=event.removed,
         ownership=event.tier,
-        metadata_only=event.metadata_only,
+        **extra,
     )
 
 

@@ -18,7 +18,8 @@ samples listed, the config info once), so what both connectors do reads the same
   deferred lookup to the one that answered, or to its end), ``vllm:kv_offload_allocation_failure``
   (a store the CPU tier had no room for), the CPU tier's usage gauges
   (``vllm:kv_offload_cpu_cache_usage_perc``, ``_write_usage_perc``, ``_read_usage_perc``) and
-  ``vllm:kv_offload_config_info`` with the CPU offloading spec's labels; plus our per-tier
+  ``vllm:kv_offload_config_info`` with the CPU offloading spec's labels (vLLM 0.33 and later:
+  0.32 has no such series, see `._compat`); plus our per-tier
   series (`kvtier_async.metrics.SERIES`), whose counters are sent as increments since the
   last payload.
 
@@ -41,10 +42,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     _TransferMetricName,
 )
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
-from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetrics
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 
 from kvtier_async.metrics import ASYNC_API_ONLY, SERIES, Samples, deltas, samples
 
+from ._compat import HAS_CONFIG_INFO, CPUOffloadingInfo, metric_sections
 from .layout import OffloadLayout
 
 if TYPE_CHECKING:
@@ -91,7 +93,7 @@ class SchedulerMetrics:
         self._deferred: dict[str, float] = {}  # request -> when its first lookup deferred
         self._sent: Samples = {}
         self._allocation_failures = 0
-        self._info_sent = False
+        self._info_sent = self._info is None  # nothing to send on a vLLM without it
         self._series_due = 0.0  # time.monotonic() from which the series are read again
 
     def lookup_done(self, req_id: str, started: float, hit_tokens: int | None) -> None:
@@ -128,7 +130,7 @@ class SchedulerMetrics:
         stats, self._stats = self._stats, OffloadingConnectorStats()
         if delays:  # observe_histogram's effect, for all of them at once
             self._sync_delays = []
-            types, values = stats.metric_sections()
+            types, values = metric_sections(stats)
             name = _ConnectorMetricName.LOOKUP_SYNC_DELAY
             types.setdefault(name, _MetricType.HISTOGRAM)
             values.setdefault(name, {}).setdefault((), []).extend(delays)
@@ -138,6 +140,7 @@ class SchedulerMetrics:
             )
             self._allocation_failures = failures
         if not self._info_sent:
+            assert self._info is not None
             stats.set_info([self._info])
             self._info_sent = True
         if series:
@@ -167,11 +170,13 @@ class SchedulerMetrics:
 _TYPES = {s.name: s.type for s in SERIES}
 
 
-def config_info(layout: OffloadLayout, max_model_len: int) -> dict[str, Any]:
+def config_info(layout: OffloadLayout, max_model_len: int) -> dict[str, Any] | None:
     """The CPU offloading spec's config info labels (`CPUOffloadingInfo`), for our CPU
     tier: slots, GPU blocks per slot, bytes (every worker's rows), and the tokens it holds
     for requests of ``max_model_len`` tokens (None when that is unknown), as vLLM computes
-    them."""
+    them. None on a vLLM without the config-info series (0.32)."""
+    if not HAS_CONFIG_INFO:
+        return None
     groups = len(layout.groups)
     tokens: int | None = None
     if max_model_len > 0 and groups:
