@@ -25,6 +25,7 @@ _OURS = (
     "region_dir",
     "queue_depth",
     "wait_timeout_s",
+    "close_timeout_s",
     "worker_copies",
 )
 _VLLM = (
@@ -63,6 +64,7 @@ class ConnectorConfig:
     region_dir: str
     queue_depth: int
     wait_timeout_s: float
+    close_timeout_s: float
     worker_copies: str
 
     def __post_init__(self) -> None:  # a read-only copy whose repr hides credentials
@@ -100,5 +102,6 @@ class ConnectorConfig:
             region_dir=s.get_str("region_dir", "/dev/shm"),
             queue_depth=s.get_int("queue_depth", 1024, low=1),
             wait_timeout_s=s.get_float("wait_timeout_s", 60.0, low=0.001),
+            close_timeout_s=s.get_float("close_timeout_s", 30.0, low=0.0, high=86400.0),
             worker_copies=s.get_str("worker_copies", "auto", choices=("auto", "engine", "inline")),
         )

@@ -690,20 +690,28 @@ class ConnectorScheduler:
             st.jobs.clear()
             st.pinned, st.pinned_slots = [], None
             st.cursor = [0] * len(st.cursor)
-        self.ledger.reset()
-        for req_id in [r for r, st in self._reqs.items() if st.finished]:
+        # A request that ended before the reset is dropped, as vLLM's connector drops it:
+        # its GPU blocks were freed (vLLM's own reset dropped their hashes), so its last
+        # blocks are not stored in the new generation, whether or not this step's
+        # ``finished_req_ids`` named it yet.
+        for req_id in [r for r, st in self._reqs.items() if st.finished or st.req.is_finished()]:
+            if not self._reqs[req_id].finished:
+                self.ledger.request_finished(req_id)
             self._forget(req_id)
+        self.ledger.reset()
         for req_id, st in self._reqs.items():  # the reset dropped the positions too
             for keys in st.keys:
                 self.ledger.note_positions(req_id, keys)
         return flushed
 
-    def _flush_tier_work(self) -> bool:
-        """End every tier job (see the module docstring); False if some are still running."""
+    def _flush_tier_work(self, timeout: float | None = None) -> bool:
+        """End every tier job (see the module docstring), cascades queued in the ledger
+        included, within ``timeout`` (default ``wait_timeout_s``); False if some are still
+        running."""
         threaded = self._threaded
         if threaded is None:
             return True
-        timeout = self.config.wait_timeout_s
+        timeout = self.config.wait_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         runner = self._runner
         self._drain_tier_results()
@@ -731,7 +739,17 @@ class ConnectorScheduler:
         return True
 
     def shutdown(self) -> None:
+        """Hand the cascades still queued to the tiers and wait for the tier jobs out, for
+        ``close_timeout_s`` at most (blocks stored in the CPU tier reach the files and the
+        object store, where the next engine finds them), then stop the tier engine."""
         if self._threaded is not None:
+            try:
+                if self.tiers and not self._flush_tier_work(self.config.close_timeout_s):
+                    log.warning(
+                        "shutdown: tier jobs abandoned", timeout_s=self.config.close_timeout_s
+                    )
+            except Exception as exc:  # never raised into vLLM's shutdown
+                log.warning("shutdown: the last tier jobs failed", error=repr(exc))
             self._threaded.close()  # then dropped: its engine holds views of the region
             self._threaded = None
         region, self._region = self._region, None
