@@ -715,8 +715,9 @@ def _region_holder(iid: str, directory: str, rank: int, ready: Event, release: E
 
 
 def test_regions_shows_owners_and_mappers_and_removes_only_dead_unmapped_ones(
-    shm_dir: Path, capsys: pytest.CaptureFixture[str]
+    shm_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("KVTIER_REGION_REAPER", "0")  # a killed creator's region stays
     procs: list[tuple[Any, Event]] = []
 
     def start(iid: str, rank: int) -> Any:

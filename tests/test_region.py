@@ -15,6 +15,7 @@ import shutil
 import signal
 import stat
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from multiprocessing.synchronize import Barrier, Event
@@ -50,6 +51,13 @@ def shm_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="kvtier-test-", dir=SHM))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def no_reaper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regions without their reaper (here and in the processes a test starts): a killed
+    creator's file stays, the case that reclaim and the sweep handle."""
+    monkeypatch.setenv("KVTIER_REGION_REAPER", "0")
 
 
 @pytest.fixture
@@ -398,6 +406,7 @@ def _doomed_creator(iid: str, directory: str, ready: Event, never: Event) -> Non
     never.wait()  # killed here, so it never closes
 
 
+@pytest.mark.usefixtures("no_reaper")
 def test_killed_creator_leaves_a_stale_region(shm_dir: Path, iid: str) -> None:
     ready, never = CTX.Event(), CTX.Event()
     proc = CTX.Process(target=_doomed_creator, args=(f"{iid}-dead", str(shm_dir), ready, never))
@@ -442,6 +451,7 @@ def _kill_a_creator(iid: str, directory: Path) -> int:
     return path.stat().st_ino
 
 
+@pytest.mark.usefixtures("no_reaper")
 def test_restart_after_sigkill_reclaims_the_region(
     shm_dir: Path, iid: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -457,6 +467,7 @@ def test_restart_after_sigkill_reclaims_the_region(
     assert list(shm_dir.iterdir()) == []
 
 
+@pytest.mark.usefixtures("no_reaper")
 def test_every_worker_restarting_at_once_reclaims_once(shm_dir: Path, iid: str) -> None:
     _kill_a_creator(iid, shm_dir)
     start, opened, out = CTX.Barrier(4), CTX.Barrier(4), CTX.Queue()
@@ -473,6 +484,7 @@ def test_every_worker_restarting_at_once_reclaims_once(shm_dir: Path, iid: str) 
     assert list(shm_dir.iterdir()) == []
 
 
+@pytest.mark.usefixtures("no_reaper")
 def test_a_new_region_sweeps_dead_regions_of_other_ids(shm_dir: Path, iid: str) -> None:
     """A fresh id at each start: the dead regions of earlier starts do not pile up."""
     _kill_a_creator(f"{iid}-earlier", shm_dir)
@@ -495,6 +507,7 @@ def _cache_owner(config: dict[str, Any], ready: Event, never: Event) -> None:
     anyio.run(main)
 
 
+@pytest.mark.usefixtures("no_reaper")
 def test_the_async_face_restarts_after_sigkill(shm_dir: Path, iid: str) -> None:
     import anyio
 
@@ -517,6 +530,68 @@ def test_the_async_face_restarts_after_sigkill(shm_dir: Path, iid: str) -> None:
 
     assert anyio.run(restart) != dead_inode
     assert list(shm_dir.iterdir()) == []
+
+
+def _gone_within(path: Path, timeout_s: float) -> bool:
+    """Whether ``path`` disappears within ``timeout_s`` (the reaper works on its own)."""
+    deadline = time.monotonic() + timeout_s
+    while path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)  # a poll of another process's work, not a timed race
+    return True
+
+
+def test_a_killed_creators_region_is_removed_by_its_reaper(shm_dir: Path, iid: str) -> None:
+    ready, never = CTX.Event(), CTX.Event()
+    proc = CTX.Process(target=_doomed_creator, args=(iid, str(shm_dir), ready, never))
+    proc.start()
+    try:
+        assert ready.wait(WAIT_S)
+        path = region_path(shm_dir, iid)
+        assert path.exists() and owner_path(path).exists()
+    finally:
+        proc.kill()
+        proc.join(WAIT_S)
+    assert _gone_within(path, WAIT_S)
+    assert list(shm_dir.iterdir()) == []  # the owner record went first
+
+
+def test_the_reaper_waits_for_the_last_mapper(shm_dir: Path, iid: str) -> None:
+    ready, never = CTX.Event(), CTX.Event()
+    creator = CTX.Process(target=_doomed_creator, args=(iid, str(shm_dir), ready, never))
+    creator.start()
+    joined, release = CTX.Event(), CTX.Event()
+    mapper = CTX.Process(target=_mapper, args=(iid, str(shm_dir), joined, release))
+    path = region_path(shm_dir, iid)
+    try:
+        assert ready.wait(WAIT_S)
+        mapper.start()
+        assert joined.wait(WAIT_S)
+        creator.kill()
+        creator.join(WAIT_S)
+        # The creator is dead, the mapper still uses the region: it stays. The reaper
+        # blocks in flock until then, so a moment's wait would show a removal.
+        assert not _gone_within(path, 0.5)
+        release.set()
+        mapper.join(WAIT_S)
+        assert _gone_within(path, WAIT_S)
+    finally:
+        for proc in (creator, mapper):
+            if proc.is_alive():
+                proc.kill()
+            proc.join(WAIT_S)
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_the_reaper_leaves_a_region_that_replaced_its_own(shm_dir: Path, iid: str) -> None:
+    """Closed and created again at the same path: the first region's reaper does not
+    touch the second file."""
+    with SharedRegion(iid, 2, 8, directory=shm_dir) as first:
+        first_inode = first.path.stat().st_ino
+    with SharedRegion(iid, 2, 8, directory=shm_dir) as second:
+        assert second.path.stat().st_ino != first_inode or second.is_creator
+        assert not _gone_within(second.path, 0.5)
 
 
 def _mapper(iid: str, directory: str, joined: Event, release: Event) -> None:

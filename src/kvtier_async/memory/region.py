@@ -55,10 +55,11 @@ must drop them before :meth:`SharedRegion.close`, which otherwise raises
 are gone).
 
 *Clean-up.* The creator unlinks the file on close; peers keep their mappings
-until they close. If the creator dies without closing, the file outlives it until it is
-reclaimed, or: :func:`find_stale_regions` reports such files and
-:func:`remove_stale_regions` deletes those that no live process maps. A region whose
-creator is alive is never reported.
+until they close. If the creator dies without closing, its reaper (a helper process per
+creating process, :mod:`._reaper`) removes the file once no live process maps it. If the
+reaper could not run, the file outlives its creator until it is reclaimed, or:
+:func:`find_stale_regions` reports such files and :func:`remove_stale_regions` deletes
+those that no live process maps. A region whose creator is alive is never reported.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ import numpy.typing as npt
 
 from kvtier_async._cudart import runtime
 from kvtier_async._log import get_logger
+from kvtier_async.memory import _reaper
 from kvtier_async.memory._owner import (
     OwnerRecord,
     is_alive,
@@ -203,6 +205,7 @@ class SharedRegion:
         # close(), or when the mapping is collected after its last view.
         self._release_fd = weakref.finalize(self._mm, os.close, fd)
         if self._creator:
+            _reaper.watch(self._path, self._inode)  # removed even if this process is killed
             _sweep(self._path.parent)
         self._address = _buffer_address(self._mm)
         log.info(
@@ -730,7 +733,9 @@ def _reclaim(path: Path, fd: int, inode: int, owner: OwnerRecord, deadline: floa
             or not _still_linked(fd, path)
         ):
             return False
-        if not _lock(fd, fcntl.LOCK_EX):
+        if not _lock_briefly(fd, fcntl.LOCK_EX):
+            if not _still_linked(fd, path):
+                return False  # the reaper removed it meanwhile (see `._reaper`)
             raise StaleRegionError(
                 f"{path} was created by process {owner.pid}, which is no longer running, but "
                 "another live process still maps it; stop that process or use another "
@@ -741,6 +746,17 @@ def _reclaim(path: Path, fd: int, inode: int, owner: OwnerRecord, deadline: floa
     finally:
         os.close(owner_fd)
     log.warning("reclaimed the shared region of a dead process", path=str(path), pid=owner.pid)
+    return True
+
+
+def _lock_briefly(fd: int, operation: int, within_s: float = 0.1) -> bool:
+    """`_lock`, tried for ``within_s``: the region reaper holds a dead region's lock for
+    the moment it takes to remove it (see `._reaper`)."""
+    deadline = time.monotonic() + within_s
+    while not _lock(fd, operation):
+        if time.monotonic() >= deadline:
+            return False
+        _sleep(0.001)
     return True
 
 
