@@ -666,6 +666,24 @@ async def test_a_symlink_in_place_of_a_block_is_unlinked_never_followed(
 
 
 @pytest.mark.anyio
+async def test_a_block_the_tier_holds_is_never_rewritten(disk_dir: Path, slots: Slots) -> None:
+    """A key stored again (a cascade after a cache reset, another engine on the same root)
+    keeps its file: same inode, same bytes, nothing written; the second store succeeds."""
+    async with opened(new_tier(disk_dir)) as tier:
+        key, view, path = await _stored_block(tier, slots)
+        stored, inode = bytes(view), path.stat().st_ino
+        written = tier.statistics().bytes_written
+        view[:] = bytes(255 - b for b in stored)  # other bytes under the same key
+        assert await tier.store([key], [view]) == [True]
+        assert path.stat().st_ino == inode
+        assert tier.statistics().bytes_written == written
+        assert "already_present=1" in tier.statistics().detail
+        wipe([view])
+        assert await tier.load([key], [view]) == [True]
+        assert bytes(view) == stored
+
+
+@pytest.mark.anyio
 async def test_a_store_replaces_a_symlink_at_the_block_name(disk_dir: Path, slots: Slots) -> None:
     async with opened(new_tier(disk_dir)) as tier:
         key, view, path = await _stored_block(tier, slots)

@@ -376,6 +376,34 @@ def test_reset_cache_clears_the_cpu_tier() -> None:
         h.assert_no_leaks()
 
 
+def hits_after_a_reset_at_a_requests_end(kwargs: dict[str, Any], prefix: list[int]) -> int:
+    """A request ends; the cache is reset before the next step (which would have handed its
+    end to the connector in ``finished_req_ids``, as after ``LLM.generate`` returns); later,
+    with vLLM's GPU prefix cache evicted, a request with the same prefix: the tokens the
+    connector supplied it."""
+    with vh.VllmHarness(num_gpu_blocks=40, **kwargs) as h:
+        h.add_request("first", [*prefix, 5], max_tokens=2)
+        while h.stats.finished < 1:
+            h.step()
+        assert h.scheduler.reset_prefix_cache(reset_connector=True)
+        h.run_until_done()  # the step that reports "first" as finished
+        evict_gpu_prefix_cache(h)
+        h.add_request("second", [*prefix, 6], max_tokens=2)
+        h.run_until_done()
+        h.assert_no_leaks()
+        return int(h.stats.external_hit_tokens)
+
+
+def test_a_request_that_ended_before_a_reset_stores_nothing_after_it() -> None:
+    """As vLLM's OffloadingConnector: the reset drops a request that ended before it, so
+    its blocks are not stored in the new generation (they were: served from the CPU tier
+    a request that the reset should have left to recompute, or to promote)."""
+    prefix = random_tokens(random.Random(21), 100)
+    theirs = hits_after_a_reset_at_a_requests_end(vh.VLLM_OFFLOADING, prefix)
+    ours = hits_after_a_reset_at_a_requests_end(OURS, prefix)
+    assert theirs == ours == 0
+
+
 def failing_loads(h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     router = h.worker_connector.worker._router
     transfer, execute = router.transfer, router.execute
