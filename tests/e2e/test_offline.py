@@ -222,3 +222,36 @@ def test_a_second_engine_process_serves_what_the_first_stored(
     assert results[index]["token_ids"] == baseline[name]
     assert results[index]["num_cached_tokens"] == [CACHED] * prompts
     assert delta(results, index, EXTERNAL) == prompts * CACHED
+
+
+# --- tensor parallelism -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tp_run(engine: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two workers (``tensor_parallel_size=2``, one core each) writing their rows of one
+    shared region, interleaved; the scheduler's tier reads both rows of a slot."""
+    root = tmp_path_factory.mktemp("fs-tp")
+    config = connector({"secondary_tiers": [{"type": "fs", "root_dir": str(root)}]})
+    ops = [
+        generate("P"),  # cold
+        {"op": "reset", "connector": False},
+        generate("P"),  # our CPU tier: each worker loads its own rows
+        {"op": "reset", "connector": True},
+        generate("P"),  # the fs tier: a block's file holds both workers' rows
+    ]
+    return engine("tp2", ops, config, multiprocess=True, tensor_parallel_size=2)
+
+
+def test_two_workers_share_one_region_and_sample_what_they_computed(
+    tp_run: dict[str, Any],
+) -> None:
+    results = tp_run["results"]
+    cold, cpu_tier, fs_tier = generations(results)
+    prompts = len(PROMPTS["P"][0])
+    for served in (cpu_tier, fs_tier):
+        assert results[served]["token_ids"] == results[cold]["token_ids"]
+        assert results[served]["num_cached_tokens"] == [CACHED] * prompts
+        assert delta(results, served, EXTERNAL) == prompts * CACHED
+    # Each worker copies its own half of every block: vLLM sums the two workers' bytes.
+    assert delta(results, cold, STORED) == prompts * (CACHED // BLOCK_TOKENS) * BLOCK_BYTES

@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "fs": "kvtier_async.bench.fs:run",
     "sched": "kvtier_async.bench.sched:run",
     "s3": "kvtier_async.bench.s3:run",
+    "e2e": "kvtier_async.bench.e2e:run",
 }
 
 

@@ -22,7 +22,8 @@ The spec (JSON):
   - ``metrics``: vLLM's own metrics now (``llm.get_metrics()``: counters and gauges by
     name, histograms as ``name:count`` and ``name:sum``);
 
-  any op may carry ``"metrics": true`` to add that snapshot to its result.
+  any op may carry ``"metrics": true`` to add that snapshot to its result, and a ``name``
+  or ``label`` that its result repeats.
 
 Every op's result has ``op`` and ``seconds``. At the end the engine is shut down
 explicitly (the connector's shutdown hands its last cascades to the tiers), and ``OUT``
@@ -119,6 +120,9 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"ops[{len(results)}].op: unknown op {kind!r}")
             result.setdefault("seconds", time.perf_counter() - began)
             result["op"] = kind
+            for echoed in ("name", "label"):  # the caller's tags, back with the result
+                if echoed in op:
+                    result[echoed] = op[echoed]
             if op.get("metrics") or kind == "metrics":
                 result["metrics"] = _metrics(llm)
             results.append(result)

