@@ -54,6 +54,30 @@ def test_results_come_back_through_poll(backend: str) -> None:
     )
 
 
+def test_wait_returns_when_a_result_arrives_and_poll_rearms_it() -> None:
+    device = BlockingDevice()
+
+    def make() -> Engine:
+        return Engine([], lambda s: memoryview(b""), device=device)
+
+    with ThreadedEngine(make) as threaded:
+        assert threaded.wait(0.0) is False  # nothing out, nothing back
+        job = Job(JobKind.STORE, (b"k" * 8,))
+        threaded.submit([job])
+        assert device.started.wait(10)
+        assert threaded.wait(0.0) is False  # running: no result yet
+        releaser = threading.Thread(target=device.release.set)
+        releaser.start()
+        started = time.monotonic()
+        assert threaded.wait(60.0) is True
+        # The wait ended with the result, not at its timeout (which would take 60 s).
+        assert time.monotonic() - started < 30.0
+        releaser.join()
+        [result] = threaded.poll()
+        assert isinstance(result, JobResult) and result.job_id == job.job_id
+        assert threaded.wait(0.0) is False  # taken: the next wait waits again
+
+
 def test_a_full_queue_defers_instead_of_blocking() -> None:
     device = BlockingDevice()
 

@@ -353,6 +353,66 @@ def test_a_request_waiting_on_a_lookup_is_answered_without_a_walk(tmp_path: Path
         h.assert_no_leaks()
 
 
+def test_a_step_that_scheduled_nothing_waits_for_the_tier_and_a_busy_one_does_not(
+    tmp_path: Path,
+) -> None:
+    """While a request waits on the fs tier's lookup (held here), a step that scheduled no
+    token ends with a bounded wait for the tier's result (GIL released) instead of
+    spinning; a step that scheduled tokens never waits."""
+    import threading
+
+    import anyio.to_thread
+
+    fs = {"type": "fs", "root_dir": str(tmp_path / "kv")}
+    model = vh.write_model_dir(tmp_path / "model")
+    rng = random.Random(15)
+    prefix = random_tokens(rng, 100)
+    config = ours(secondary_tiers=[fs])
+    with vh.VllmHarness(num_gpu_blocks=40, model_dir=model, **config) as h:
+        h.add_request("first", [*prefix, 5], max_tokens=2)
+        h.run_until_done()
+    release = threading.Event()
+    with vh.VllmHarness(num_gpu_blocks=80, model_dir=model, **config) as h:
+        scheduler = h.connector.scheduler
+        threaded = scheduler._threaded
+        (tier,) = threaded.engine.tiers
+        lookup = tier.lookup
+
+        async def held_lookup(keys: Any) -> list[bool]:
+            assert await anyio.to_thread.run_sync(release.wait, 30.0), "never released"
+            return await lookup(keys)
+
+        tier.lookup = held_lookup
+        waits: list[float] = []
+        wait = threaded.wait
+
+        def recorded(timeout_s: float) -> bool:
+            waits.append(timeout_s)
+            return bool(wait(timeout_s))
+
+        threaded.wait = recorded
+        try:
+            h.add_request("second", [*prefix, 6], max_tokens=2)
+            idle = [h.step().scheduled for _ in range(3)]
+            assert all(out.total_num_scheduled_tokens == 0 for out in idle)
+            assert waits == [scheduler.idle_wait_s] * 3
+            waits.clear()
+            # Less than a block: no key to look up (a key would queue behind the held lookup).
+            h.add_request("busy", random_tokens(rng, 12), max_tokens=8)
+            steps = []  # (tokens scheduled, waited) per step
+            for _ in range(4):
+                waits.clear()
+                out = h.step().scheduled
+                steps.append((out.total_num_scheduled_tokens if out else 0, bool(waits)))
+            assert any(tokens for tokens, _ in steps), steps
+            assert all(not waited for tokens, waited in steps if tokens)
+        finally:
+            release.set()
+        h.run_until_done()
+        assert h.stats.external_hit_tokens == 96  # all 6 blocks, promoted from the files
+        h.assert_no_leaks()
+
+
 def test_s3_tier_on_the_loopback_server(moto_s3: Any, s3_bucket: str, tmp_path: Path) -> None:
     # moto answers from this process's threads, beside a scheduler that busy-steps: the
     # default 1 s lookup deadline can pass on a loaded machine, and a late lookup is a miss.

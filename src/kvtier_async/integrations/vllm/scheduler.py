@@ -1,6 +1,7 @@
 """The connector's scheduler role: the ledger on vLLM's scheduler thread, tier I/O on a loop.
 
-Per step, vLLM calls (on its scheduler thread, never blocked here):
+Per step, vLLM calls (on its scheduler thread, never blocked on I/O here; see "Idle steps"
+below for the one bounded wait):
 
 - ``get_num_new_matched_tokens``: apply finished work, then walk the request's offload keys
   from its first block not computed locally. A tier that has not answered makes the answer
@@ -34,6 +35,15 @@ engine executes, this thread applies: a `TaskRunner` turns the ledger's tasks in
 its own meanwhile (damaged, GC: removal events); the device jobs the workers report are
 applied by the same runner (`TaskRunner.apply_copy`). An error while applying is logged,
 never raised into vLLM. Only ``reset_cache`` and ``shutdown`` wait.
+
+Idle steps. While a request waits for a tier (its lookup or promotion out), vLLM's engine
+core schedules nothing and steps again at once, holding the GIL but for the interpreter's
+switch interval (5 ms), which the tier engine's threads need several times per job: in a
+real engine a lookup took 30 ms and a promotion of 7.5 MB 40-60 ms, almost all of it waiting
+for the GIL. So a step that scheduled no token, with tier work out, ends with a wait for the
+tier's results (`ThreadedEngine.wait`, GIL released, ``idle_wait_s`` = 2 ms at most; a
+result ends it at once). A step with work to do never waits; a request that arrives during
+an idle wait is scheduled that much later.
 
 ``reset_cache`` flushes every tier job (`ThreadedEngine.flush`, ``wait_timeout_s`` at most):
 a cascade reads a CPU slot and a promotion writes one, and the reset frees them all. If a
@@ -116,6 +126,8 @@ class ConnectorScheduler:
     #: many blocks of them may wait (see the module docstring).
     cascade_hold_s = 0.02
     cascade_hold_blocks = 64
+    #: How long a step that scheduled nothing waits for tier results (seconds).
+    idle_wait_s = 0.002
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> None:
         self.config = config
@@ -452,7 +464,16 @@ class ConnectorScheduler:
         meta = KVTierMetadata(self._step_loads, stores, flush)
         self._step_loads, self._step_allocated = {}, set()
         self._submit_tier_work()
+        if not scheduler_output.total_num_scheduled_tokens:
+            self._wait_idle()
         return meta
+
+    def _wait_idle(self) -> None:
+        """A step that scheduled nothing, with tier work out: wait for its results
+        (`idle_wait_s` at most) instead of spinning (see the module docstring)."""
+        threaded = self._threaded
+        if threaded is not None and self.tiers and self._runner.has_pending_work():
+            threaded.wait(self.idle_wait_s)
 
     def _update_block_tables(self, out: Any) -> None:
         for data in out.scheduled_new_reqs:
