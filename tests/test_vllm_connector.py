@@ -573,3 +573,32 @@ def test_reports_come_as_late_as_vllms_with_a_report_delay() -> None:
     assert any(reported for _, reported, _ in traces[0])
     assert traces[0] == traces[1]
     assert hits[0] == hits[1] == 96
+
+
+def test_sync_loads_as_vllms_connector_makes_them() -> None:
+    """With ``sync_load_budget_bytes``, a hit that fits the step's budget is loaded within
+    the step (``load_kv_async`` False): its request runs in the step that admitted it, and
+    no ``finished_recving`` is reported for it, as with vLLM's OffloadingConnector: the same
+    steps, the same hits, a step fewer than the asynchronous load. (When each worker reports
+    the job differs: the harness holds our worker's output back a step to match vLLM's
+    asynchronous jobs, which a sync job is not.)"""
+    prefix = random_tokens(random.Random(12), 100)
+    budget = {"sync_load_budget_bytes": 1 << 20}
+    theirs = {
+        **vh.VLLM_OFFLOADING,
+        "extra_config": {**vh.VLLM_OFFLOADING["extra_config"], **budget},
+    }
+    mine = {**ours(**budget), "worker_report_delay_steps": 1}
+    traces, hits = [], []
+    for kwargs in (theirs, mine):
+        with vh.VllmHarness(num_gpu_blocks=40, **kwargs) as h:
+            traces.append([(step, recving) for step, _, recving in report_trace(h, prefix)])
+            hits.append(h.stats.external_hit_tokens)
+            h.assert_no_leaks()
+    assert traces[0] == traces[1]
+    assert hits[0] == hits[1] == 96
+    assert not any(recving for _, recving in traces[1])  # the load was a sync one
+    with vh.VllmHarness(num_gpu_blocks=40, **OURS, worker_report_delay_steps=1) as h:
+        asynchronous = report_trace(h, prefix)
+    assert any(recving for _, _, recving in asynchronous)
+    assert len(traces[1]) < len(asynchronous)  # the step a sync load saves

@@ -1,6 +1,7 @@
 """vLLM's offline ``LLM`` with our connector: real forward passes, real paged KV cache.
 
-One engine per configuration (see `conftest`): the CPU tier alone (``CPUOffloadingSpec``),
+One engine per configuration (see `conftest`): the CPU tier alone (``CPUOffloadingSpec``,
+with sync loads: ``sync_load_budget_bytes``),
 the CPU tier and an fs tier, the CPU tier and an obj tier (moto on 127.0.0.1), the fs tier
 under preemption, then a second engine process, vLLM's default multi-process engine, that
 serves what the first ones stored in fs and in S3. Each runs the same steps:
@@ -52,7 +53,8 @@ def generations(results: list[dict[str, Any]]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cpu_run(engine: Any) -> dict[str, Any]:
-    config = connector({"spec_name": "CPUOffloadingSpec"})
+    # Sync loads (vLLM 0.33's sync_load_budget_bytes): a hit loads within its step.
+    config = connector({"spec_name": "CPUOffloadingSpec", "sync_load_budget_bytes": 64 << 20})
     return engine("cpu", scenario(), config)
 
 
@@ -232,7 +234,8 @@ def tp_run(engine: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     """Two workers (``tensor_parallel_size=2``, one core each) writing their rows of one
     shared region, interleaved; the scheduler's tier reads both rows of a slot."""
     root = tmp_path_factory.mktemp("fs-tp")
-    config = connector({"secondary_tiers": [{"type": "fs", "root_dir": str(root)}]})
+    tiers = [{"type": "fs", "root_dir": str(root)}]
+    config = connector({"secondary_tiers": tiers, "sync_load_budget_bytes": 64 << 20})
     ops = [
         generate("P"),  # cold
         {"op": "reset", "connector": False},

@@ -7,7 +7,8 @@ tiny model (`kvtier_async.bench.engine_kit`). Three engine processes, one after 
 
 - no connector: a prompt computed from scratch (``recompute``), then the same prompt again,
   served by vLLM's own prefix cache (``floor``: what a cache hit costs at best);
-- ours with a CPU tier and an fs tier: a prompt computed and stored (the engine then steps
+- ours with a CPU tier and an fs tier, and sync loads (``sync_load_budget_bytes``, as
+  vLLM 0.33 has it: a hit loads within its step): a prompt computed and stored (the engine then steps
   until the connector has no work left: the blocks are in both tiers), then vLLM's prefix
   cache reset (``reset_prefix_cache()``) and the prompt again, served by our CPU tier;
   then our CPU tier reset too (``reset_connector=True``), and the prompt again, promoted
@@ -71,6 +72,7 @@ ENGINE = {
     "max_num_seqs": 4,
 }
 CPU_BYTES = 1 << 30  # our CPU tier: every prompt of the run fits
+SYNC_LOAD_BUDGET = 256 << 20  # a 4k prompt's blocks are 16 MiB
 BLOCK_BYTES = 128 * 4 * 2 * 2 * 64 * 4  # one block of the tiny model: 128 tokens, float32
 
 
@@ -223,7 +225,13 @@ def _connector(tier: dict[str, Any]) -> dict[str, Any]:
             "kv_connector": "KVTierConnector",
             "kv_connector_module_path": "kvtier_async.vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": CPU_BYTES, "secondary_tiers": [tier]},
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": CPU_BYTES,
+                "secondary_tiers": [tier],
+                # vLLM 0.33's sync loads: a hit loads within its step (on vLLM's CPU backend
+                # the copy takes milliseconds), saving the request a step.
+                "sync_load_budget_bytes": SYNC_LOAD_BUDGET,
+            },
         }
     }
 

@@ -38,6 +38,7 @@ _VLLM = (
     "store_threshold",
     "max_tracker_size",
     "cache_policy_module_path",
+    "sync_load_budget_bytes",
 )
 _VLLM_IGNORED = (
     "spec_module_path",
@@ -45,7 +46,6 @@ _VLLM_IGNORED = (
     "canonical_layout",
     "tier_poll_interval_s",
     "backpressure",
-    "sync_load_budget_bytes",
 )
 
 
@@ -59,6 +59,7 @@ class ConnectorConfig:
     offload_prompt_only: bool
     store_threshold: int
     max_tracker_size: int
+    sync_load_budget_bytes: int
     store_policy: str
     instance_id: str | None
     region_dir: str
@@ -95,6 +96,7 @@ class ConnectorConfig:
             offload_prompt_only=s.get_bool("offload_prompt_only", True),
             store_threshold=max(1, s.get_int("store_threshold", 1)),
             max_tracker_size=s.get_int("max_tracker_size", 64_000, low=1),
+            sync_load_budget_bytes=s.get_int("sync_load_budget_bytes", 0, low=0),
             store_policy=s.get_str(
                 "store_policy", "block_level", choices=("block_level", "request_level")
             ),

@@ -23,6 +23,9 @@ class DeviceJob:
     gpu: GPUSpec
     cpu: CPUSpec
     is_store: bool
+    # A load its request waits for within the step (vLLM's sync load): done before the
+    # forward pass, never reported in ``finished_recving``.
+    sync: bool = False
 
 
 @dataclass

@@ -101,6 +101,7 @@ class _DeviceJobState:
     pending: int
     blocks: list[int]
     failed: bool = False
+    sync: bool = False  # a sync load (see `_reserve_sync_load`)
 
 
 @dataclass
@@ -163,6 +164,10 @@ class ConnectorScheduler:
         self._job_ids = itertools.count(1)
         self._stale_below = 0  # device jobs from before a reset_cache are ignored
         self._step_loads: dict[int, DeviceJob] = {}
+        # This step's sync loads: the requests, and their bytes (one worker's).
+        self._step_sync: set[str] = set()
+        self._step_sync_bytes = 0
+        self._kv_bytes_per_token = layout.slot_bytes // layout.chunk_tokens
         self._step_allocated: set[int] = set()
         self._reset_fence: dict[int, int] = {}  # device job flushed by a reset -> reports due
         self._runner = TaskRunner(self.ledger, tiers, batch=True)
@@ -293,7 +298,7 @@ class ConnectorScheduler:
         st.cursor = [0] * len(st.cursor)  # (re)starting: offer every block again
         if st.pinned:
             if self._same_hits(st, request, num_computed_tokens):
-                return st.pinned_tokens, True
+                return st.pinned_tokens, self._load_async(st, num_computed_tokens)
             self._unpin(st)
         if st.jobs:
             return None, False
@@ -323,7 +328,27 @@ class ConnectorScheduler:
         st.pinned_slots = self.ledger.prepare_load(keys, request.request_id)
         st.pinned = keys
         st.pinned_tokens = end_tokens - num_computed_tokens
-        return st.pinned_tokens, True
+        return st.pinned_tokens, self._load_async(st, num_computed_tokens)
+
+    def _load_async(self, st: _Request, num_computed_tokens: int) -> bool:
+        """Whether the hit pinned for ``st`` loads asynchronously (vLLM's default), or
+        within this step, before its forward pass: a sync load, as vLLM 0.33's connector
+        makes one, while the step's loads fit ``sync_load_budget_bytes`` (the tokens times
+        one worker's KV bytes per token; 0, the default, makes none). A sync load saves the
+        request an engine step; where the KV cache is in host memory (vLLM's CPU backend)
+        its copy takes a few milliseconds in the worker's ``start_load_kv``."""
+        req_id = st.req.request_id
+        self._step_sync.discard(req_id)
+        budget = self.config.sync_load_budget_bytes
+        tokens = st.pinned_tokens
+        if not budget or num_computed_tokens + tokens >= st.req.num_tokens:
+            return True
+        nbytes = tokens * self._kv_bytes_per_token
+        if self._step_sync_bytes + nbytes > budget:
+            return True
+        self._step_sync_bytes += nbytes
+        self._step_sync.add(req_id)
+        return False
 
     def _still_waiting(self, st: _Request, request: Any, num_computed_tokens: int) -> bool:
         """Whether a request asked again while its last walk waits on a key (a request
@@ -400,7 +425,11 @@ class ConnectorScheduler:
         )
         self._step_allocated.update(ids)
         job_id = self._new_job(st, keys, is_store=False, blocks=ids)
-        self._step_loads[job_id] = DeviceJob(request.request_id, spec, CPUSpec(slots), False)
+        sync = request.request_id in self._step_sync
+        self._jobs[job_id].sync = sync
+        self._step_loads[job_id] = DeviceJob(
+            request.request_id, spec, CPUSpec(slots), False, sync=sync
+        )
         if self.ledger.store_policy is StorePolicy.BLOCK_LEVEL:
             st.cursor = [max(c, end_chunk) for c in st.cursor]
 
@@ -463,6 +492,8 @@ class ConnectorScheduler:
             self._finish(req_id)
         meta = KVTierMetadata(self._step_loads, stores, flush)
         self._step_loads, self._step_allocated = {}, set()
+        if self._step_sync_bytes:
+            self._step_sync, self._step_sync_bytes = set(), 0
         self._submit_tier_work()
         if not scheduler_output.total_num_scheduled_tokens:
             self._wait_idle()
@@ -505,7 +536,7 @@ class ConnectorScheduler:
         for req_id in out.preempted_req_ids or ():
             st = self._reqs.get(req_id)
             if st is not None:
-                flush |= {j for j in st.jobs if self._jobs[j].is_store}
+                flush |= {j for j in st.jobs if self._jobs[j].is_store or self._jobs[j].sync}
         allocated = self._step_allocated
         if allocated:  # the stores in flight are few: each is checked (in C)
             flush.update(

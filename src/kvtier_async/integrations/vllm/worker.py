@@ -160,9 +160,17 @@ class ConnectorWorker:
             )
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
+        """Submit last step's stores and this step's loads; the sync loads end before this
+        returns (their requests run in this step's forward pass)."""
         self._submit(self._deferred_stores)
         self._deferred_stores = {}
         self._submit(meta.load_jobs)
+        threaded = self._threaded
+        if threaded is not None:
+            sync = {job_id for job_id, job in meta.load_jobs.items() if job.sync}
+            if sync:
+                self._collect()
+                self._flush(threaded, sync)
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         """Defer this step's stores to the start of the next step."""
@@ -237,7 +245,8 @@ class ConnectorWorker:
                 "device job failed", job_id=job_id, store=device.is_store, error=repr(error)
             )
         if not device.is_store:
-            self._recving.add(device.req_id)
+            if not device.sync:  # a sync load's request runs already: nothing to report
+                self._recving.add(device.req_id)
             if error is not None:
                 self._load_errors.update(int(b) for b in device.gpu.block_ids)
 
