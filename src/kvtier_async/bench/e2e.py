@@ -8,8 +8,9 @@ tiny model (`kvtier_async.bench.engine_kit`). Three engine processes, one after 
 - no connector: a prompt computed from scratch (``recompute``), then the same prompt again,
   served by vLLM's own prefix cache (``floor``: what a cache hit costs at best);
 - ours with a CPU tier and an fs tier, and sync loads (``sync_load_budget_bytes``, as
-  vLLM 0.33 has it: a hit loads within its step): a prompt computed and stored (the engine then steps
-  until the connector has no work left: the blocks are in both tiers), then vLLM's prefix
+  vLLM 0.33 has it: a hit loads within its step): a prompt computed and stored (the engine
+  then steps until the connector has no work left: the blocks are in both tiers), then vLLM's
+  prefix
   cache reset (``reset_prefix_cache()``) and the prompt again, served by our CPU tier;
   then our CPU tier reset too (``reset_connector=True``), and the prompt again, promoted
   from the fs tier;
