@@ -1,5 +1,8 @@
-"""The ``kvtier`` command: ``bench``, ``demo``, ``version``, and the operations ``inspect``,
-``gc`` and ``regions`` (their work is in `kvtier_async.ops`; this module parses and prints).
+"""The ``kvtier`` command: ``bench``, ``demo``, ``version``, the operations ``inspect``,
+``gc`` and ``regions`` (their work is in `kvtier_async.ops`; this module parses and prints),
+``tiny-model`` (the engine kit's local model), and ``vllm ...``: vLLM's own command line, for
+vLLM's CPU wheel, whose ``vllm`` script cannot start (see
+`kvtier_async.bench.engine_kit.vllm_cli`); everything after ``vllm`` is vLLM's.
 
 This is the only place that configures log output: `configure_logging` sends the library's
 ``logging`` records to stderr, rendered by structlog's console renderer: warnings and errors
@@ -48,6 +51,11 @@ _DESCRIPTION = "kvtier-async: a three-tier KV cache (GPU -> CPU -> files / S3)."
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line *argv* (default ``sys.argv[1:]``); return the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["vllm"]:  # vLLM's CLI, its arguments untouched
+        from kvtier_async.bench.engine_kit import vllm_cli
+
+        return vllm_cli.main(args_list[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if getattr(args, "check", False) and args.quick:
@@ -113,8 +121,31 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--turns", type=_positive, default=5, help="turns each, default 5")
     show.set_defaults(command=_demo)
     commands.add_parser("version", help="print the version").set_defaults(command=_version)
+    tiny = commands.add_parser(
+        "tiny-model", help="write a tiny Llama-style model (random weights) for vLLM's CPU build"
+    )
+    tiny.add_argument("directory", help="where to write it (made if missing)")
+    tiny.add_argument("--seed", type=int, default=0, help="default 0")
+    tiny.set_defaults(command=_tiny_model)
+    commands.add_parser(
+        "vllm", help="vLLM's own command line (kvtier vllm serve ...), for vLLM's CPU wheel"
+    )
     _add_operations(commands)
     return parser
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    """``kvtier tiny-model DIR``: the engine kit's model (needs transformers, which vLLM
+    brings)."""
+    from kvtier_async.bench.engine_kit import build_tiny_model
+
+    try:
+        print(build_tiny_model(args.directory, seed=args.seed))
+    except ImportError as exc:
+        print(f"kvtier tiny-model: needs vLLM's dependencies (torch, transformers, "
+              f"tokenizers): {exc}", file=sys.stderr)  # fmt: skip
+        return 2
+    return 0
 
 
 def _add_operations(commands: Any) -> None:  # argparse's private _SubParsersAction

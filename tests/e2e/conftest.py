@@ -31,14 +31,10 @@ from kvtier_async.bench.s3server import MotoS3Server
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The model directory, built by a process of its own (transformers' import warnings
-    are not this suite's errors)."""
+    """The model directory, built as a user builds it (``kvtier tiny-model``), in a process
+    of its own (transformers' import warnings are not this suite's errors)."""
     where = os.environ.get("KVTIER_E2E_MODEL") or tmp_path_factory.mktemp("model")
-    build = (
-        "import sys; from kvtier_async.bench.engine_kit import build_tiny_model as b; "
-        "print(b(sys.argv[1]))"
-    )
-    command = [sys.executable, "-c", build, str(where)]
+    command = [str(Path(sys.executable).parent / "kvtier"), "tiny-model", str(where)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     return Path(done.stdout.strip().splitlines()[-1]).resolve()

@@ -1,4 +1,5 @@
-"""``vllm serve`` on 127.0.0.1 with our connector, as a user starts it (``kvtier vllm serve``).
+"""``vllm serve`` on 127.0.0.1 with our connector, as a user of vLLM's CPU wheel starts it
+(``kvtier vllm serve``: the wheel's own ``vllm`` script cannot start).
 
 One server for the module: OpenAI completions, ``/reset_prefix_cache``, ``/metrics``, vLLM's
 KV events received over ZMQ by a subscriber here, then SIGTERM. The fs tier has room for a
@@ -175,7 +176,7 @@ def served(
         "endpoint": f"tcp://127.0.0.1:{events_port}",
     }
     command = [
-        sys.executable, "-m", "kvtier_async.bench.engine_kit.vllm_cli", "serve", str(tiny_model),
+        str(Path(sys.executable).parent / "kvtier"), "vllm", "serve", str(tiny_model),
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
         "--dtype", ENGINE["dtype"], "--max-model-len", str(ENGINE["max_model_len"]),
         "--block-size", str(BLOCK_TOKENS), "--enforce-eager",

@@ -2,18 +2,19 @@
 
 Whole vLLM engines (vLLM's ``LLM``: EngineCore, worker, model runner, paged KV cache) on a
 machine that can run one: vLLM's CPU build here (``nox -s bench_e2e``), on the engine kit's
-tiny model (`kvtier_async.bench.engine_kit`). Three engine processes, one after the other
-(each takes every core), each running its measurements interleaved, prompt by prompt:
+tiny model (`kvtier_async.bench.engine_kit`). Three engine processes are started and kept
+(`EngineProcess`), and driven in turns, prompt by prompt, the one that goes first turning
+(only one works at a time: each takes every core; an idle one does not step), so their
+measurements interleave in one run:
 
 - no connector: a prompt computed from scratch (``recompute``), then the same prompt again,
   served by vLLM's own prefix cache (``floor``: what a cache hit costs at best);
-- ours with a CPU tier and an fs tier, and sync loads (``sync_load_budget_bytes``, as
-  vLLM 0.33 has it: a hit loads within its step): a prompt computed and stored (the engine
-  then steps until the connector has no work left: the blocks are in both tiers), then vLLM's
-  prefix
-  cache reset (``reset_prefix_cache()``) and the prompt again, served by our CPU tier;
-  then our CPU tier reset too (``reset_connector=True``), and the prompt again, promoted
-  from the fs tier;
+- ours with a CPU tier and an fs tier, and sync loads (``sync_load_budget_bytes``, as vLLM
+  0.33 has it: a hit loads within its step): a prompt computed and stored (untimed; the
+  engine then steps until the connector has no work left: the blocks are in both tiers),
+  then vLLM's prefix cache reset (``reset_prefix_cache()``) and the prompt again, served by
+  our CPU tier; then our CPU tier reset too (``reset_connector=True``), and the prompt
+  again, promoted from the fs tier;
 - ours with a CPU tier and an obj tier (moto's S3 server on 127.0.0.1, in a process of its
   own): the same, promoted from S3.
 
@@ -22,8 +23,9 @@ token: prefill, or the load of what a tier held plus the prefill of the last par
 Prompts of 1k, 2k and 4k tokens, `PROMPTS` distinct prompts per length (each engine's first
 prompt of each length is a warm-up, not timed); the figure is the median. Decode: one
 prompt of 128 tokens and 256 output tokens, tokens per second, with the connector on (the
-fs engine) and off, the best of `DECODE_RUNS` after a warm-up (the machine's other load only
-ever takes time away; decode runs on two cores swing by 30% from one run to the next).
+fs engine) and off, alternating, the best of `DECODE_RUNS` each after a warm-up (the
+machine's other load only ever takes time away; a decode run on two cores swings by 30%
+from one to the next).
 
 Records (latencies: the ratio is the reference's time over ours, above 1 is better):
 per length and tier, ours against vLLM's prefix-cache hit (targets: CPU tier at most 1.3x
@@ -44,6 +46,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -98,36 +101,115 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
         say("e2e: no vLLM engine can run here (needs vLLM's CPU build or a GPU); nothing to "
             "measure (nox -s bench_e2e installs vLLM's CPU build)")  # fmt: skip
         return []
-    from .engine_kit import build_tiny_model, prompt_ids, run_engine
+    from .engine_kit import EngineProcess, build_tiny_model, prompt_ids
     from .s3server import MotoS3Server
 
     count = QUICK_PROMPTS if quick else PROMPTS
     decode_runs = QUICK_DECODE_RUNS if quick else DECODE_RUNS
     prompts = {n: prompt_ids(count, n, seed=n) for n in LENGTHS}
     decode = prompt_ids(decode_runs + 1, DECODE_PROMPT, seed=7)
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-e2e-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-e2e-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         say("e2e: building the tiny model")
         model = str(build_tiny_model(work / "model"))
+        moto = stack.enter_context(MotoS3Server(in_process=False))
+        bucket = f"kvtier-bench-{uuid.uuid4().hex[:8]}"
+        moto.create_bucket(bucket)
+        tiers = {
+            "fs": {"type": "fs", "root_dir": str(work / "fs")},
+            "obj": {"type": "obj", "bucket": bucket, "endpoint_override": moto.endpoint},
+        }
+        engines: dict[str, Any] = {}
+        for name in ("none", "fs", "obj"):
+            spec = {"model": model, "engine": ENGINE}
+            if name != "none":
+                spec.update(_connector(tiers[name]))
+            engine = EngineProcess(spec, workdir=work, name=name, env=_s3_env(moto))
+            engines[name] = stack.enter_context(engine)
+            say(f"e2e: engine {name} started in {engine.startup_s:.1f} s")
+        results: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+        order = list(engines)
+        for n, group in prompts.items():
+            say(f"e2e: {n}-token prompts")
+            for i, prompt in enumerate(group):
+                tag = "warm" if i == 0 else str(n)
+                ops = {"none": _plain_ops(prompt, tag), "fs": _tier_ops(prompt, tag),
+                       "obj": _tier_ops(prompt, tag)}  # fmt: skip
+                order = order[1:] + order[:1]  # who goes first turns, prompt by prompt
+                for name in order:
+                    results[name] += [engines[name].do(op) for op in ops[name]]
+        say("e2e: decode")
+        for i, prompt in enumerate(decode):
+            label = "decode warm" if i == 0 else "decode"
+            for name in ("none", "fs") if i % 2 else ("fs", "none"):
+                results[name].append(engines[name].do(_generate(prompt, label, DECODE_TOKENS)))
+        _say_s3_alone(moto, say)
+    return _records(results["none"], results["fs"], results["obj"], quick, say)
 
-        def engine(name: str, ops: list[dict[str, Any]], **kwargs: Any) -> list[dict[str, Any]]:
-            say(f"e2e: engine {name}: {len(ops)} steps")
-            spec = {"model": model, "engine": ENGINE, "ops": ops, **kwargs.pop("spec", {})}
-            result = run_engine(spec, workdir=work, name=name, timeout_s=1800, **kwargs)
-            say(f"e2e: engine {name}: started in {result['startup_s']:.1f} s")
-            return list(result["results"])
 
-        base = engine("none", _plain_ops(prompts, decode))
-        fs = {"type": "fs", "root_dir": str(work / "fs")}
-        tiered = engine("fs", _tier_ops(prompts, decode), spec=_connector(fs))
-        with MotoS3Server(in_process=False) as moto:
-            bucket = f"kvtier-bench-{uuid.uuid4().hex[:8]}"
-            moto.create_bucket(bucket)
-            obj = {"type": "obj", "bucket": bucket, "endpoint_override": moto.endpoint}
-            env = _s3_env(moto)
-            remote = engine("obj", _tier_ops(prompts, []), spec=_connector(obj), env=env)
-            _say_s3_alone(moto, say)
-    return _records(base, tiered, remote, quick, say)
+def _generate(prompt: Sequence[int], label: str, max_tokens: int = 1) -> dict[str, Any]:
+    return {"op": "generate", "prompts": [list(prompt)], "max_tokens": max_tokens,
+            "ignore_eos": True, "label": label}  # fmt: skip
+
+
+_RESET_LOCAL = {"op": "reset", "connector": False}
+_RESET_ALL = {"op": "reset", "connector": True}
+_SETTLE = {"op": "settle", "timeout_s": 60.0}
+
+
+def _plain_ops(prompt: Sequence[int], tag: str) -> list[dict[str, Any]]:
+    """No connector: the prompt computed, then served by vLLM's prefix cache; then
+    forgotten."""
+    return [_generate(prompt, f"recompute {tag}"), _generate(prompt, f"floor {tag}"), _RESET_LOCAL]
+
+
+def _tier_ops(prompt: Sequence[int], tag: str) -> list[dict[str, Any]]:
+    """Ours: the prompt computed and stored (untimed: the engine settles, its blocks in
+    both tiers), served by our CPU tier after vLLM's prefix cache was reset, then by the
+    secondary tier after ours was reset too; then forgotten by vLLM."""
+    return [
+        _generate(prompt, f"store {tag}"),
+        _SETTLE,
+        _RESET_LOCAL,
+        _generate(prompt, f"cpu {tag}"),
+        _SETTLE,
+        _RESET_ALL,
+        _generate(prompt, f"tier {tag}"),
+        _SETTLE,
+        _RESET_LOCAL,
+    ]
+
+
+def _connector(tier: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_transfer_config": {
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier_async.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": CPU_BYTES,
+                "secondary_tiers": [tier],
+                # vLLM 0.33's sync loads: a hit loads within its step (on vLLM's CPU backend
+                # the copy takes milliseconds), saving the request a step.
+                "sync_load_budget_bytes": SYNC_LOAD_BUDGET,
+            },
+        }
+    }
+
+
+def _s3_env(moto: Any) -> dict[str, str]:
+    import os
+
+    return {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": moto.access_key,
+        "AWS_SECRET_ACCESS_KEY": moto.secret_key,
+        "AWS_DEFAULT_REGION": moto.region,
+    }
+
+
+def _times(results: list[dict[str, Any]], label: str) -> list[float]:
+    return [r["seconds"] for r in results if r.get("op") == "generate" and r["label"] == label]
 
 
 def _say_s3_alone(moto: Any, say: Callable[[str], None]) -> None:
@@ -172,84 +254,6 @@ def _say_s3_alone(moto: Any, say: Callable[[str], None]) -> None:
     heads, gets = asyncio.run(measure())
     say(f"e2e: the S3 server alone (moto, 127.0.0.1), a 2k prompt's 15 blocks: HEADs "
         f"{heads * 1e3:.0f} ms, GETs {gets * 1e3:.0f} ms (a plain client, best of 3)")  # fmt: skip
-
-
-def _generate(prompt: Sequence[int], label: str, max_tokens: int = 1) -> dict[str, Any]:
-    return {"op": "generate", "prompts": [list(prompt)], "max_tokens": max_tokens,
-            "ignore_eos": True, "label": label}  # fmt: skip
-
-
-_RESET_LOCAL = {"op": "reset", "connector": False}
-_RESET_ALL = {"op": "reset", "connector": True}
-_SETTLE = {"op": "settle", "timeout_s": 60.0}
-
-
-def _plain_ops(prompts: dict[int, list[list[int]]], decode: list[list[int]]) -> list[Any]:
-    ops: list[dict[str, Any]] = []
-    for n, group in prompts.items():
-        for i, prompt in enumerate(group):
-            tag = "warm" if i == 0 else str(n)
-            ops += [_generate(prompt, f"recompute {tag}"), _generate(prompt, f"floor {tag}")]
-    ops += _decode_ops(decode)
-    return ops
-
-
-def _decode_ops(decode: list[list[int]]) -> list[dict[str, Any]]:
-    """The first prompt a warm-up, then the timed ones."""
-    labels = ["decode warm", *(["decode"] * (len(decode) - 1))]
-    return [_generate(p, label, DECODE_TOKENS) for p, label in zip(decode, labels)]
-
-
-def _tier_ops(prompts: dict[int, list[list[int]]], decode: list[list[int]]) -> list[Any]:
-    ops: list[dict[str, Any]] = []
-    for n, group in prompts.items():
-        for i, prompt in enumerate(group):
-            tag = "warm" if i == 0 else str(n)
-            ops += [
-                _generate(prompt, f"store {tag}"),
-                _SETTLE,  # its blocks reach the CPU tier and the secondary tier, untimed
-                _RESET_LOCAL,
-                _generate(prompt, f"cpu {tag}"),
-                _SETTLE,
-                _RESET_ALL,
-                _generate(prompt, f"tier {tag}"),
-                _SETTLE,
-                _RESET_LOCAL,  # the next prompt starts with nothing of this one in vLLM
-            ]
-    ops += _decode_ops(decode)
-    return ops
-
-
-def _connector(tier: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "kv_transfer_config": {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier_async.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "cpu_bytes_to_use": CPU_BYTES,
-                "secondary_tiers": [tier],
-                # vLLM 0.33's sync loads: a hit loads within its step (on vLLM's CPU backend
-                # the copy takes milliseconds), saving the request a step.
-                "sync_load_budget_bytes": SYNC_LOAD_BUDGET,
-            },
-        }
-    }
-
-
-def _s3_env(moto: Any) -> dict[str, str]:
-    import os
-
-    return {
-        **os.environ,
-        "AWS_ACCESS_KEY_ID": moto.access_key,
-        "AWS_SECRET_ACCESS_KEY": moto.secret_key,
-        "AWS_DEFAULT_REGION": moto.region,
-    }
-
-
-def _times(results: list[dict[str, Any]], label: str) -> list[float]:
-    return [r["seconds"] for r in results if r.get("op") == "generate" and r["label"] == label]
 
 
 def _records(

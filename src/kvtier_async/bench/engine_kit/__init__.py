@@ -25,7 +25,14 @@ Modules:
 ``vllm_cli``  vLLM's command line for the CPU wheel (``kvtier vllm serve ...``).
 """
 
-from .launch import EngineRunError, engine_env, run_engine
+from .launch import EngineProcess, EngineRunError, engine_env, run_engine
 from .model import build_tiny_model, prompt_ids
 
-__all__ = ["EngineRunError", "build_tiny_model", "engine_env", "prompt_ids", "run_engine"]
+__all__ = [
+    "EngineProcess",
+    "EngineRunError",
+    "build_tiny_model",
+    "engine_env",
+    "prompt_ids",
+    "run_engine",
+]

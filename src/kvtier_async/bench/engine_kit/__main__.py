@@ -25,6 +25,12 @@ The spec (JSON):
   any op may carry ``"metrics": true`` to add that snapshot to its result, and a ``name``
   or ``label`` that its result repeats.
 
+Without ``ops`` the engine is interactive (`launch.EngineProcess`): it answers
+``{"ready": true, ...}`` once started, then reads one op a line from its standard input and
+answers each with its result, on its standard output behind `ANSWER`, until ``{"op":
+"exit"}`` or the end of its input; several engines can then be driven in turns, their
+measurements interleaved.
+
 Every op's result has ``op`` and ``seconds``. At the end the engine is shut down
 explicitly (the connector's shutdown hands its last cascades to the tiers), and ``OUT``
 gets ``{"results": [...], "startup_s": ...}``. An exception is written as ``{"error":
@@ -105,30 +111,53 @@ def _run(spec: Mapping[str, Any]) -> dict[str, Any]:
     startup_s = time.perf_counter() - started
     results: list[dict[str, Any]] = []
     try:
-        for op in spec["ops"]:
-            began = time.perf_counter()
-            kind = op["op"]
-            if kind == "generate":
-                result = _generate(llm, op)
-            elif kind == "reset":
-                result = {"ok": bool(llm.reset_prefix_cache(reset_connector=op["connector"]))}
-            elif kind == "settle":
-                result = {"settled": _settle(llm, float(op.get("timeout_s", 30.0)))}
-            elif kind == "metrics":
-                result = {}
-            else:
-                raise ValueError(f"ops[{len(results)}].op: unknown op {kind!r}")
-            result.setdefault("seconds", time.perf_counter() - began)
-            result["op"] = kind
-            for echoed in ("name", "label"):  # the caller's tags, back with the result
-                if echoed in op:
-                    result[echoed] = op[echoed]
-            if op.get("metrics") or kind == "metrics":
-                result["metrics"] = _metrics(llm)
-            results.append(result)
+        if spec.get("ops") is None:  # interactive: ops come one line at a time
+            _answer({"ready": True, "startup_s": startup_s})
+            for line in sys.stdin:
+                op = json.loads(line)
+                if op["op"] == "exit":
+                    break
+                _answer(_do(llm, op, len(results)))
+        else:
+            for op in spec["ops"]:
+                results.append(_do(llm, op, len(results)))
     finally:
         llm.llm_engine.engine_core.shutdown()
     return {"results": results, "startup_s": startup_s}
+
+
+#: The prefix of the lines that carry an interactive engine's answers on its standard
+#: output (vLLM logs there too).
+ANSWER = "KVTIER-ENGINE-ANSWER "
+
+
+def _answer(document: Mapping[str, Any]) -> None:
+    sys.stdout.write(ANSWER + json.dumps(document) + "\n")
+    sys.stdout.flush()
+
+
+def _do(llm: Any, op: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """Run one op; its result (see the module docstring)."""
+    began = time.perf_counter()
+    kind = op["op"]
+    if kind == "generate":
+        result = _generate(llm, op)
+    elif kind == "reset":
+        result = {"ok": bool(llm.reset_prefix_cache(reset_connector=op["connector"]))}
+    elif kind == "settle":
+        result = {"settled": _settle(llm, float(op.get("timeout_s", 30.0)))}
+    elif kind == "metrics":
+        result = {}
+    else:
+        raise ValueError(f"ops[{index}].op: unknown op {kind!r}")
+    result.setdefault("seconds", time.perf_counter() - began)
+    result["op"] = kind
+    for echoed in ("name", "label"):  # the caller's tags, back with the result
+        if echoed in op:
+            result[echoed] = op[echoed]
+    if op.get("metrics") or kind == "metrics":
+        result["metrics"] = _metrics(llm)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

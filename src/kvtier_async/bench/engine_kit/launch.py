@@ -5,15 +5,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
-__all__ = ["EngineRunError", "engine_env", "run_engine", "stop_group"]
+__all__ = ["EngineProcess", "EngineRunError", "engine_env", "run_engine", "stop_group"]
 
 _LOG_TAIL = 6000
 
@@ -110,3 +113,110 @@ def stop_group(process: subprocess.Popen[Any], *, grace_s: float) -> None:
 def _tail(path: Path) -> str:
     text = path.read_text(errors="replace")
     return text[-_LOG_TAIL:]
+
+
+_ANSWER = "KVTIER-ENGINE-ANSWER "  # the engine process's `ANSWER` (not imported: no vLLM here)
+
+
+class EngineProcess:
+    """An interactive engine process: started once, then `do` one op at a time, so the
+    measurements of several engines interleave (only one works at a time: each takes every
+    core). Its output, vLLM's logs, goes to ``workdir/NAME.log``; every answer has a
+    deadline; leaving the ``with`` ends it (its group, like `run_engine`)."""
+
+    def __init__(
+        self,
+        spec: Mapping[str, Any],
+        *,
+        workdir: str | os.PathLike[str],
+        name: str,
+        multiprocess: bool = False,
+        kv_cache_gib: int = 1,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.name = name
+        self.timeout_s = timeout_s
+        work = Path(workdir)
+        work.mkdir(parents=True, exist_ok=True)
+        self._spec_path = work / f"{name}.spec.json"
+        self._out_path = work / f"{name}.out.json"
+        self.log_path = work / f"{name}.log"
+        self._spec_path.write_text(json.dumps({**spec, "ops": None}))
+        tp = int((spec.get("engine") or {}).get("tensor_parallel_size", 1))
+        self._env = engine_env(
+            multiprocess=multiprocess, kv_cache_gib=kv_cache_gib, tensor_parallel_size=tp, base=env
+        )
+        self._answers: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self._process: subprocess.Popen[str] | None = None
+        self.startup_s = 0.0
+
+    def __enter__(self) -> EngineProcess:
+        command = [sys.executable, "-m", "kvtier_async.bench.engine_kit",
+                   str(self._spec_path), str(self._out_path)]  # fmt: skip
+        log = open(self.log_path, "w")
+        process = subprocess.Popen(
+            command, env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=log, text=True, start_new_session=True,
+        )  # fmt: skip
+        self._process = process
+        threading.Thread(target=self._read, args=(process, log), daemon=True).start()
+        try:
+            self.startup_s = float(self._next("start")["startup_s"])
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _read(self, process: subprocess.Popen[str], log: Any) -> None:
+        """Answers to the queue, the rest to the log; None at the end of the output."""
+        assert process.stdout is not None
+        try:
+            for line in process.stdout:
+                if line.startswith(_ANSWER):
+                    self._answers.put(json.loads(line[len(_ANSWER) :]))
+                else:
+                    log.write(line)
+        finally:
+            log.close()
+            self._answers.put(None)
+
+    def _next(self, what: str) -> dict[str, Any]:
+        try:
+            answer = self._answers.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise EngineRunError(
+                f"{self.name}: no answer to {what} within {self.timeout_s:.0f} s\n"
+                f"{_tail(self.log_path)}"
+            ) from None
+        if answer is None:
+            raise EngineRunError(f"{self.name}: ended before {what}\n{_tail(self.log_path)}")
+        return answer
+
+    def do(self, op: Mapping[str, Any]) -> dict[str, Any]:
+        """Run ``op`` (see `kvtier_async.bench.engine_kit.__main__`); its result."""
+        process = self._process
+        if process is None or process.stdin is None:
+            raise EngineRunError(f"{self.name}: not running")
+        process.stdin.write(json.dumps(op) + "\n")
+        process.stdin.flush()
+        return self._next(f"op {op.get('op')!r}")
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        try:
+            if process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    process.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                    process.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=60)  # its shutdown: the last cascades, bounded
+        finally:
+            stop_group(process, grace_s=5.0)
