@@ -23,9 +23,9 @@ token: prefill, or the load of what a tier held plus the prefill of the last par
 Prompts of 1k, 2k and 4k tokens, `PROMPTS` distinct prompts per length (each engine's first
 prompt of each length is a warm-up, not timed); the figure is the median. Decode: one
 prompt of 128 tokens and 256 output tokens, tokens per second, with the connector on (the
-fs engine) and off, alternating, the best of `DECODE_RUNS` each after a warm-up (the
-machine's other load only ever takes time away; a decode run on two cores swings by 30%
-from one to the next).
+fs engine) and off, alternating run by run, the median of `DECODE_RUNS` each after a
+warm-up (a decode run on two cores swings by 10-20% from one to the next: every run's
+figure is printed).
 
 Records (latencies: the ratio is the reference's time over ours, above 1 is better):
 per length and tier, ours against vLLM's prefix-cache hit (targets: CPU tier at most 1.3x
@@ -57,7 +57,7 @@ __all__ = ["LENGTHS", "PROMPTS", "TARGETS", "engine_available", "run"]
 LENGTHS = (1024, 2048, 4096)
 PROMPTS = 6  # per length, the first one a warm-up
 QUICK_PROMPTS = 3
-DECODE_RUNS = 5
+DECODE_RUNS = 10
 QUICK_DECODE_RUNS = 2
 DECODE_PROMPT, DECODE_TOKENS = 128, 256
 #: How many times vLLM's prefix-cache hit a tier's hit may take at most (as a ratio target:
@@ -294,9 +294,15 @@ def _records(
                     target=RECOMPUTE_TARGET if n == 2048 else None, unit="s",
                 )
             )  # fmt: skip
-    off = max(DECODE_TOKENS / s for s in _times(base, "decode"))
-    on = max(DECODE_TOKENS / s for s in _times(tiered, "decode"))
-    say(f"e2e: decode {on:.1f} tokens/s with the connector, {off:.1f} without")
+    rates = {
+        name: sorted(DECODE_TOKENS / s for s in _times(results, "decode"))
+        for name, results in (("off", base), ("on", tiered))
+    }
+    off, on = (statistics.median(rates[name]) for name in ("off", "on"))
+    say(f"e2e: decode {on:.1f} tokens/s with the connector, {off:.1f} without (medians; "
+        f"best {rates['on'][-1]:.1f} and {rates['off'][-1]:.1f}; runs with "
+        f"{', '.join(f'{r:.0f}' for r in rates['on'])} and without "
+        f"{', '.join(f'{r:.0f}' for r in rates['off'])})")  # fmt: skip
     records.append(
         throughput_record(
             "e2e", f"decode {DECODE_PROMPT}+{DECODE_TOKENS}", "tokens/s", on, reference=off,
