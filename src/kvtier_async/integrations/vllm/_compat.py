@@ -74,5 +74,5 @@ def log_missing_features() -> None:
         missing.append("the vllm:kv_offload_config_info series (CPUOffloadingInfo)")
     if not HAS_METADATA_ONLY:
         missing.append("OffloadingEvent.metadata_only (failed writes are not announced)")
-    if missing:
-        log.info("this vLLM predates 0.33: left out", features=missing)
+    if missing:  # a warning: where vLLM configured only its own loggers, it still shows
+        log.warning("this vLLM predates 0.33: left out", features=missing)

@@ -101,7 +101,7 @@ class _DeviceJobState:
     pending: int
     blocks: list[int]
     failed: bool = False
-    sync: bool = False  # a sync load (see `_reserve_sync_load`)
+    sync: bool = False  # a sync load (see `ConnectorScheduler._load_async`)
 
 
 @dataclass

@@ -300,6 +300,13 @@ def test_kv_events_arrive_over_zmq(served: dict[str, Any]) -> None:
     assert gone >= stored - FS_BLOCKS
 
 
+def test_what_vllm_0_32_lacks_is_said_once_at_start_up(served: dict[str, Any]) -> None:
+    log = served["server"].log.read_text(errors="replace")
+    # Once per process that runs a connector role: the engine core and the worker.
+    assert 1 <= log.count("this vLLM predates 0.33: left out") <= 2
+    assert "vllm:kv_offload_config_info" in log
+
+
 def test_sigterm_ends_the_server_and_leaves_nothing_behind(served: dict[str, Any]) -> None:
     assert served["exit_code"] is not None, f"still running {STOP_TIMEOUT_S} s after SIGTERM"
     assert served["stop_s"] < STOP_TIMEOUT_S
