@@ -29,6 +29,17 @@ def test_every_case_has_its_rows_and_a_verdict() -> None:
     assert all(r.meets is None for r in records if r.metric == "step time")
 
 
+def test_the_worker_threads_case_is_judged_against_vllms_lru_cpu_run() -> None:
+    out = runs()
+    out[f"ours {sched.THREADS_CASE}"] = [run_of(180.0, 1000)]  # adds 80 us: 0.8x of vLLM's
+    records = sched._records(out, quick=False, say=lambda _msg: None)
+    added = [r for r in records if r.case == sched.THREADS_CASE and r.metric == "added step time"]
+    assert len(added) == 1
+    assert abs(added[0].reference - 100.0) < 1e-6  # type: ignore[operator]
+    assert abs(added[0].ratio - 1.25) < 1e-6  # type: ignore[operator]
+    assert added[0].meets is False  # the target is 0.7x: a ratio of 1/0.7
+
+
 def test_a_quick_run_gives_figures_but_no_verdict() -> None:
     records = sched._records(runs(), quick=True, say=lambda _msg: None)
     assert records and all(r.meets is None for r in records)
