@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -99,15 +100,27 @@ def run_engine(
 
 def stop_group(process: subprocess.Popen[Any], *, grace_s: float) -> None:
     """End ``process`` and every process of its group (it leads a session of its own):
-    SIGTERM, then SIGKILL after ``grace_s``."""
+    SIGTERM, then SIGKILL to whatever is left after ``grace_s`` (a region reaper finishing
+    its work, see `kvtier_async.memory._reaper`, gets that long too)."""
+    deadline = time.monotonic() + grace_s
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=grace_s)
+    while _group_alive(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # a poll of processes that are exiting, not a timed race
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=grace_s)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _tail(path: Path) -> str:
