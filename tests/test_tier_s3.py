@@ -601,6 +601,20 @@ async def recovers(tier: S3Tier, clock: FakeClock, keys: list[bytes]) -> None:
     assert found == [True] * len(keys) or await tier.lookup(keys) == [True] * len(keys)
 
 
+async def loads_again(
+    tier: S3Tier, clock: FakeClock, keys: list[bytes], slots: list[memoryview]
+) -> None:
+    """After the recovery the stored blocks load again. The first GETs on fresh connections
+    to a restarted or resumed server can miss this tier's tight deadline (0.5 s) on a loaded
+    machine and open the breaker once more: then the next probe closes it."""
+    for _ in range(5):
+        if await tier.load(keys, slots) == [True] * len(keys):
+            return
+        clock.advance(OPEN_S)
+        await tier.lookup(keys)  # the probe that closes the circuit again
+    raise AssertionError(f"the blocks did not load again: {tier.statistics()}")
+
+
 def targets(
     operation: str, keys: list[bytes], blocks: list[memoryview], slots: list[memoryview]
 ) -> tuple[list[bytes], list[memoryview]]:
@@ -642,7 +656,7 @@ async def test_a_silent_endpoint_fails_each_call_within_its_deadline(
         assert b"expect:" not in silent.received.lower()
         server.start()
         await recovers(tier, clock, keys[:4])
-        assert await tier.load(keys[:4], slots[:4]) == [True] * 4
+        await loads_again(tier, clock, keys[:4], slots[:4])
     assert all(equal(a, b) for a, b in zip(blocks[:4], slots[:4], strict=True))
 
 
@@ -685,7 +699,7 @@ async def test_a_paused_server_fails_each_call_within_its_deadline_and_recovers(
         finally:
             server.resume()
         await recovers(tier, clock, keys[:4])
-        assert await tier.load(keys[:4], slots[:4]) == [True] * 4
+        await loads_again(tier, clock, keys[:4], slots[:4])
     assert all(equal(a, b) for a, b in zip(blocks[:4], slots[:4], strict=True))
 
 
