@@ -13,6 +13,8 @@ memory.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -152,6 +154,11 @@ def plan_transfer(
     the group is logical page ``j = k % F + i`` of the group's slots: page ``j % F`` of slot
     ``j // F``; the group takes ``ceil((k % F + n) / F)`` slots off the CPU spec, in order.
 
+    A group whose views each hold a page in one run (every layout but LHBNC) is planned in
+    a few whole-group numpy operations over per-view tables built once per (caches, slot
+    layout): the cost per transfer does not grow with the number of layers. It runs on the
+    engine's threads, beside the scheduler, for every job.
+
     Raises:
         ValueError: The specs do not match each other, the groups, or the id ranges.
     """
@@ -162,6 +169,7 @@ def plan_transfer(
     block_ids = np.asarray(gpu.block_ids, dtype=np.int64).reshape(-1)  # no int32 overflow
     slot_ids = np.asarray(cpu.slot_ids, dtype=np.int64).reshape(-1)
     _check_ids("CPU slot id", slot_ids, host.num_slots)
+    tables = _group_tables(kv, layout)
     factor = layout.factor
     dev_parts: list[IntArray] = []
     host_parts: list[IntArray] = []
@@ -182,22 +190,36 @@ def plan_transfer(
             logical = skip + np.arange(count, dtype=np.int64)
             slot_base = host.address + slots[logical // factor] * host.stride
             position = logical % factor
-        for index in kv.groups[group]:
-            view = kv.views[index]
-            _check_ids(f"GPU block id (group {group}, {view.name})", blocks, view.num_blocks)
-            dev = view.address + blocks * view.block_stride
-            hst = slot_base + layout.offsets[index]
+        table = tables[group]
+        if len(blocks) and int(blocks.view(np.uint64).max()) >= table.min_blocks:
+            for index in kv.groups[group]:  # name the first view the bad id does not fit
+                view = kv.views[index]
+                _check_ids(f"GPU block id (group {group}, {view.name})", blocks, view.num_blocks)
+        if table.one_run:
+            # Every view of the group at once, view-major (the per-view order below).
+            dev = table.address[:, None] + blocks[None, :] * table.block_stride[:, None]
+            hst = slot_base[None, :] + table.offset[:, None]
             if position is not None:
-                hst = hst + position * view.page_size
-            if view.is_contiguous_page:
-                dev_parts.append(dev)
-                host_parts.append(hst)
-                size_parts.append(np.full(count, view.page_size, dtype=np.int64))
-            else:
-                before = np.cumsum(view.run_sizes) - view.run_sizes
-                dev_parts.append((dev[:, None] + view.run_offsets[None, :]).ravel())
-                host_parts.append((hst[:, None] + before[None, :]).ravel())
-                size_parts.append(np.tile(view.run_sizes, count))
+                hst = hst + position[None, :] * table.page_size[:, None]
+            dev_parts.append(dev.reshape(-1))
+            host_parts.append(hst.reshape(-1))
+            size_parts.append(np.repeat(table.page_size, count))
+        else:
+            for index in kv.groups[group]:
+                view = kv.views[index]
+                dev = view.address + blocks * view.block_stride
+                hst = slot_base + layout.offsets[index]
+                if position is not None:
+                    hst = hst + position * view.page_size
+                if view.is_contiguous_page:
+                    dev_parts.append(dev)
+                    host_parts.append(hst)
+                    size_parts.append(np.full(count, view.page_size, dtype=np.int64))
+                else:
+                    before = np.cumsum(view.run_sizes) - view.run_sizes
+                    dev_parts.append((dev[:, None] + view.run_offsets[None, :]).ravel())
+                    host_parts.append((hst[:, None] + before[None, :]).ravel())
+                    size_parts.append(np.tile(view.run_sizes, count))
         block_pos += count
         slot_pos += num_slots
     if block_pos != len(block_ids) or slot_pos != len(slot_ids):
@@ -216,6 +238,49 @@ def plan_transfer(
         sizes = np.concatenate(size_parts)
     src, dst = (dev_all, host_all) if to_host else (host_all, dev_all)
     return CopyPlan(src, dst, sizes)
+
+
+@dataclass(frozen=True, eq=False)
+class _GroupTable:
+    """One group's views as arrays, in the group's view order (see `plan_transfer`)."""
+
+    one_run: bool  # every view's page is one run
+    min_blocks: int  # the fewest blocks any of its views has
+    address: IntArray
+    block_stride: IntArray
+    page_size: IntArray
+    offset: IntArray  # of each view's section in a slot
+
+
+# Per canonical KV (while it lives), per slot layout: the group tables.
+_TABLES: weakref.WeakKeyDictionary[CanonicalKV, dict[SlotLayout, tuple[_GroupTable, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+_TABLES_LOCK = threading.Lock()
+
+
+def _group_tables(kv: CanonicalKV, layout: SlotLayout) -> tuple[_GroupTable, ...]:
+    by_layout = _TABLES.get(kv)
+    tables = None if by_layout is None else by_layout.get(layout)
+    if tables is not None:
+        return tables
+    built = []
+    for members in kv.groups:
+        views = [kv.views[index] for index in members]
+        built.append(
+            _GroupTable(
+                one_run=all(view.is_contiguous_page for view in views),
+                min_blocks=min((view.num_blocks for view in views), default=0),
+                address=np.array([view.address for view in views], dtype=np.int64),
+                block_stride=np.array([view.block_stride for view in views], dtype=np.int64),
+                page_size=np.array([view.page_size for view in views], dtype=np.int64),
+                offset=np.array([layout.offsets[index] for index in members], dtype=np.int64),
+            )
+        )
+    tables = tuple(built)
+    with _TABLES_LOCK:  # planners run on several threads
+        _TABLES.setdefault(kv, {})[layout] = tables
+    return tables
 
 
 def _slots_needed(gpu: GPUSpec, factor: int) -> int:
