@@ -312,7 +312,9 @@ async def test_cancelled_job_returns_only_after_the_copy_finished(region: Shared
         memmove_copier(plan)
         finished.set()
 
-    handler = HostCopyHandler(kv, HostSlots.from_region(region), to_host=True, copier=slow_copy)
+    handler = HostCopyHandler(
+        kv, HostSlots.from_region(region), to_host=True, copier=slow_copy, inline_bytes=0
+    )
     gpu, cpu = GPUSpec.of([5, 6], [2, 0]), CPUSpec.of([1, 2])
     returned_after_copy: list[bool] = []
 
@@ -333,6 +335,38 @@ async def test_cancelled_job_returns_only_after_the_copy_finished(region: Shared
     assert scope.cancelled_caught
     check_slots(kv, region, 1, gpu, cpu)  # the copy completed, whole
     handler.close()
+
+
+@pytest.mark.anyio
+async def test_a_small_copy_runs_in_the_loop_a_large_one_in_a_worker_thread(
+    region: SharedRegion,
+) -> None:
+    kv, _ = make_kv(np.random.default_rng(4))
+    threads: list[int] = []
+
+    def recording_copy(plan: CopyPlan) -> None:
+        threads.append(threading.get_ident())
+        memmove_copier(plan)
+
+    gpu, cpu = GPUSpec.of([5, 6], [2, 0]), CPUSpec.of([1, 2])
+    probe = HostCopyHandler(kv, HostSlots.from_region(region), to_host=True)
+    nbytes = probe.plan(gpu, cpu).total_bytes
+    probe.close()
+    for inline_bytes, in_loop in ((nbytes, True), (nbytes - 1, False)):
+        handler = HostCopyHandler(
+            kv,
+            HostSlots.from_region(region),
+            to_host=True,
+            copier=recording_copy,
+            inline_bytes=inline_bytes,
+        )
+        result = await handler.transfer(gpu, cpu)
+        assert result.bytes == nbytes
+        assert (threads.pop() == threading.get_ident()) is in_loop
+        check_slots(kv, region, 1, gpu, cpu)
+        handler.close()
+    with pytest.raises(ValueError, match="inline_bytes must be >= 0"):
+        HostCopyHandler(kv, HostSlots.from_region(region), to_host=True, inline_bytes=-1)
 
 
 def test_host_slots_of_an_interleaved_region(tmp_path: Path) -> None:
