@@ -2,8 +2,10 @@
 
 vLLM's scheduler thread owns the ledger and must never wait on I/O. It hands jobs over with
 `ThreadedEngine.submit`, which only appends to a thread-safe inbox and rings a bell: it
-releases a `threading.Lock` that a worker thread of the loop waits on (``to_thread``, so any
-anyio backend works). The pump task in the loop then queues the jobs with ``submit_nowait``.
+releases a `threading.Lock` that the engine's bell thread waits on. The bell thread then
+schedules a callback in the loop (the backend's own thread-safe ``call_soon``: asyncio's
+``call_soon_threadsafe``, trio's ``run_sync_soon``) that queues the jobs with
+``submit_nowait``, and goes back to the bell without waiting for it.
 A full queue answers "not now": the job comes back from `poll` as `Deferred` and the owner
 offers it again next step. Every job's result lands in a thread-safe outbox (the engine's
 ``on_result``) that the owner drains with `poll` at the points of its step where it applies
@@ -17,6 +19,13 @@ owner waits to get it back: measured in the sched benchmark, about 0.6 ms of vLL
 ``schedule()`` per step with an fs tier. With the bell the loop runs when the owner next
 gives the GIL up, which vLLM's engine core does right after scheduling, while it waits for
 the model (a busy owner gives it up at the interpreter's switch interval at the latest).
+
+*Why a thread of our own.* Each thread wake-up costs tens of microseconds of CPU on a small
+VM (measured: a ``call_soon_threadsafe`` round trip takes the loop thread 66 us), and in
+vLLM's engine-core process that CPU is taken from the scheduler. A pump task waiting on the
+bell through ``anyio.to_thread`` paid for three wake-ups per ring (the worker thread, the
+loop, the worker thread again for the next wait) plus anyio's per-call machinery; the bell
+thread pays for two (itself, the loop).
 
 *Flushes.* Some jobs must end before the owner goes on (a store reading GPU blocks that the
 next forward pass overwrites; every tier job before a cache reset frees the slots they
@@ -45,15 +54,15 @@ run the spawn, so a busy loop would stall the scheduler thread.)
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import queue
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from types import TracebackType
+from types import ModuleType, TracebackType
 from typing import Any
 
 import anyio
-import anyio.to_thread
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from kvtier_async._log import get_logger
@@ -61,11 +70,20 @@ from kvtier_async._log import get_logger
 from .engine import Engine, EngineClosed
 from .jobs import Job, JobError, JobHandle, JobResult
 
+sniffio: ModuleType | None
+try:
+    import sniffio
+except ImportError:  # anyio does without it on asyncio
+    sniffio = None
+
 __all__ = ["Deferred", "ThreadedEngine"]
 
 log = get_logger(__name__)
 
 _BELL_CHECK_S = 1.0
+_BELL_JOIN_S = 5.0  # how long close waits for the bell thread (it checks every _BELL_CHECK_S)
+
+Soon = Callable[[Callable[[], None]], None]
 
 
 @dataclass(frozen=True)
@@ -103,9 +121,12 @@ class ThreadedEngine:
                 raise ValueError("make_engine: its results go to the outbox; set no on_result")
             engine.on_result = self._deliver
             stack.enter_context(portal.wrap_async_context_manager(engine))
-            pump = portal.start_task_soon(self._pump, engine)
-            stack.callback(pump.cancel)
-            stack.callback(self._stop_pump)  # first: its thread leaves the bell
+            soon: Soon = portal.call(_loop_callbacks, self._backend)
+            bell = threading.Thread(
+                target=self._ring_loop, args=(soon, engine), name="kvtier-bell", daemon=True
+            )
+            bell.start()
+            stack.callback(self._stop_bell, bell)  # first: before the loop stops
             self._portal, self.engine = portal, engine
             self._stack = stack.pop_all()
         return self
@@ -123,9 +144,12 @@ class ThreadedEngine:
         self._portal = None
         self._stack.close()
 
-    def _stop_pump(self) -> None:
+    def _stop_bell(self, bell: threading.Thread) -> None:
         self._closing = True
         self._ring()
+        bell.join(_BELL_JOIN_S)
+        if bell.is_alive():  # a daemon thread: it cannot keep the process alive
+            log.warning("the engine's bell thread did not stop", timeout_s=_BELL_JOIN_S)
 
     # --- owner's side (any one thread) ------------------------------------------------
 
@@ -220,16 +244,16 @@ class ThreadedEngine:
 
     # --- loop's side ------------------------------------------------------------------
 
-    async def _pump(self, engine: Engine) -> None:
+    def _ring_loop(self, soon: Soon, engine: Engine) -> None:
+        """The bell thread: each ring schedules `_take_inbox` in the loop, without waiting
+        for it; ends when the engine closes (checked every `_BELL_CHECK_S` too)."""
+        take = lambda: self._take_inbox(engine)  # noqa: E731
         while not self._closing:
-            await anyio.to_thread.run_sync(self._wait_bell, abandon_on_cancel=True)
-            self._take_inbox(engine)
-
-    def _wait_bell(self) -> None:
-        """In a worker thread: until the bell rings, or the engine closes (checked every
-        `_BELL_CHECK_S`, so the thread never outlives the engine for long)."""
-        while not self._bell.acquire(timeout=_BELL_CHECK_S):
-            if self._closing:
+            if not self._bell.acquire(timeout=_BELL_CHECK_S) or self._closing:
+                continue
+            try:
+                soon(take)
+            except RuntimeError:  # the loop has ended (trio's RunFinishedError is one)
                 return
 
     def _take_inbox(self, engine: Engine) -> None:
@@ -252,7 +276,7 @@ class ThreadedEngine:
         except anyio.WouldBlock:
             if job.job_id not in self._flushing:  # a flush submits it, waiting for room
                 self._deliver(Deferred(job))
-        except EngineClosed as exc:
+        except Exception as exc:  # closed, or a job no lane takes: it fails, the rest go on
             self._fail(job, exc)
 
     def _fail(self, job: Job, error: BaseException, *, cancelled: bool = False) -> None:
@@ -317,6 +341,36 @@ class ThreadedEngine:
                 handle.cancel()
                 abandoned.append(job)
         return abandoned
+
+
+def _loop_callbacks(backend: str) -> Soon:
+    """In the loop: a function that any thread may call to have a callback run in the loop
+    soon, without waiting; in the callback, anyio knows its backend as in a task."""
+    schedule: Callable[..., object]
+    if backend == "asyncio":
+        import asyncio
+
+        schedule = asyncio.get_running_loop().call_soon_threadsafe
+    elif backend == "trio":
+        import trio
+
+        schedule = trio.lowlevel.current_trio_token().run_sync_soon
+    else:
+        raise ValueError(f"backend: ThreadedEngine runs on 'asyncio' or 'trio', not {backend!r}")
+    context = contextvars.copy_context()
+    if sniffio is not None:  # anyio asks sniffio when it is installed (trio needs it)
+        context.run(sniffio.current_async_library_cvar.set, backend)
+
+    def run(callback: Callable[[], None]) -> None:
+        try:
+            callback()
+        except Exception:  # never into the loop (trio would end the run)
+            log.exception("engine inbox callback failed")
+
+    def soon(callback: Callable[[], None]) -> None:
+        schedule(context.copy().run, run, callback)  # a context is entered once at a time
+
+    return soon
 
 
 async def _ended(handle: JobHandle) -> None:
