@@ -54,6 +54,30 @@ def test_results_come_back_through_poll(backend: str) -> None:
     )
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_job_no_lane_takes_fails_and_the_rest_go_on(backend: str) -> None:
+    device = BlockingDevice()
+    device.release.set()
+
+    def make() -> Engine:
+        return Engine([], lambda s: memoryview(b""), device=device)
+
+    before = set(threading.enumerate())
+    with ThreadedEngine(make, backend=backend) as threaded:
+        bad = Job(JobKind.LOAD, (b"k" * 8,), tier=3)  # the engine has no tier 3
+        good = Job(JobKind.STORE, (b"k" * 8,))
+        threaded.submit([bad, good])
+        results = {r.job_id: r for r in wait_for_results(threaded, 2) if isinstance(r, JobResult)}
+        threaded.submit([later := Job(JobKind.STORE, (b"k" * 8,))])  # still taking jobs
+        [after] = wait_for_results(threaded, 1)
+    assert isinstance(results[bad.job_id].error, ValueError)
+    assert "no lane" in str(results[bad.job_id].error)
+    assert results[good.job_id].error is None
+    assert isinstance(after, JobResult) and after.job_id == later.job_id and after.error is None
+    # Closing stopped the engine's bell thread.
+    assert not [t for t in set(threading.enumerate()) - before if t.name == "kvtier-bell"]
+
+
 def test_wait_returns_when_a_result_arrives_and_poll_rearms_it() -> None:
     device = BlockingDevice()
 
