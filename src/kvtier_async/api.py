@@ -46,6 +46,7 @@ from types import TracebackType
 from typing import Any, cast
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -59,6 +60,7 @@ from kvtier_async.ledger import (
     PrimaryLedger,
     TierCounters,
     TieringLedger,
+    check_policy,
 )
 from kvtier_async.ledger.tiering import StorePolicy
 from kvtier_async.memory import SharedRegion, close_region
@@ -123,7 +125,7 @@ class CacheConfig:
         kwargs: dict[str, Any] = {
             "block_bytes": block_bytes,
             "num_slots": _num_slots(s, block_bytes),
-            "eviction_policy": s.get_str("eviction_policy", "lru"),
+            "eviction_policy": _policy(s, s.get_str("eviction_policy", "lru")),
             "store_threshold": s.get_int("store_threshold", 1, low=1),
             "store_policy": StorePolicy(
                 s.get_str("store_policy", "block_level", choices=[p.value for p in StorePolicy])
@@ -251,10 +253,10 @@ class TieredKVCache:
         error, or then, cancel what is in flight."""
         engine, runner = self._engine, self._runner
         try:
-            if engine is not None and exc_type is None:
+            if engine is not None and exc_type is None and self.has_pending_work():
                 with anyio.move_on_after(self.config.close_timeout_s) as drained:
                     await self.drain()
-                if drained.cancelled_caught:
+                if drained.cancelled_caught and self.has_pending_work():
                     _log_abandoned(engine, self.config.close_timeout_s)
         finally:
             self._engine, self._tiers = None, []
@@ -318,6 +320,7 @@ class TieredKVCache:
         secondary tiers what they have (awaited: no RETRY dance for the caller)."""
         _check_keys(keys)
         self._require_open()
+        await anyio.lowlevel.checkpoint()  # every call yields, hits or not (see `flush`)
         token = req if req is not None else object()
         if req is not None:  # the whole prefix, head first: its exact positions
             self.ledger.note_positions(req, keys)
@@ -329,7 +332,7 @@ class TieredKVCache:
                     self._lookups += len(keys)
                     self._lookup_hits += hits
                     return hits
-                await self.flush()
+                await self._flush()
                 await progress.wait()
         finally:
             if req is None:
@@ -337,7 +340,17 @@ class TieredKVCache:
             self._publish()
 
     async def flush(self) -> None:
-        """Submit the work the ledger decided (promotions, lookups, cascades)."""
+        """Submit the work the ledger decided (promotions, lookups, cascades).
+
+        Every public async call of the cache passes a checkpoint (a cancellation point and a
+        turn for other tasks) before it changes anything, even when it has nothing to wait
+        for (all hits, no keys, nothing to submit): a task looping on such calls never
+        starves the others, a deadline around it is honoured, and close gets its turn."""
+        self._require_open()
+        await anyio.lowlevel.checkpoint()
+        await self._flush()
+
+    async def _flush(self) -> None:
         jobs = self.runner.take_jobs()
         for index, job in enumerate(jobs):
             try:
@@ -410,6 +423,7 @@ class TieredKVCache:
         _check_keys(keys)
         views = self._views(keys, blocks, writable=False)
         self._require_open()
+        await anyio.lowlevel.checkpoint()
         out = self.ledger.prepare_store(keys, req)  # None: a request of its own, finished
         if out is None:
             return StoreResult([], 0, no_room=True)
@@ -419,7 +433,7 @@ class TieredKVCache:
             payload = (out.store_spec.slot_ids, [views[position[key]] for key in stored])
             result = await self._run(Job(JobKind.STORE, tuple(stored), payload))
             stored = result.succeeded
-        await self.flush()
+        await self._flush()
         self._publish()
         return StoreResult(stored, len(set(keys)) - len(out.keys_to_store))
 
@@ -431,6 +445,7 @@ class TieredKVCache:
         _check_keys(keys)
         views = self._views(keys, blocks, writable=True)
         self._require_open()
+        await anyio.lowlevel.checkpoint()
         if not keys:
             return 0
         slots = self.ledger.prepare_load(keys, req)  # a reuse (None: by a call of its own)
@@ -494,8 +509,8 @@ class TieredKVCache:
     async def drain(self) -> None:
         """Wait until every job in flight (cascades included) ended."""
         while True:
-            await self.flush()
-            await self.engine.drain()
+            await self._flush()
+            await self.engine.drain()  # a checkpoint, idle or not
             self.runner.apply_delivered()  # what ended since the owner task's last turn
             if not self.ledger.has_pending_work():
                 return
@@ -653,10 +668,12 @@ class CacheRequest:
         self.req = req
 
     async def __aenter__(self) -> CacheRequest:
+        await anyio.lowlevel.checkpoint()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.cache.request_finished(self.req)
+        await anyio.lowlevel.cancel_shielded_checkpoint()  # released first, whatever happens
 
     async def lookup(self, keys: Sequence[bytes]) -> int:
         """`TieredKVCache.lookup` for this request: ``keys`` is the whole prefix, head first."""
@@ -677,9 +694,24 @@ class _EventListener:
         self._send, self._receive = anyio.create_memory_object_stream[KVEvent](buffer)
 
     async def __aenter__(self) -> MemoryObjectReceiveStream[KVEvent]:
+        try:
+            await anyio.lowlevel.checkpoint()
+        except BaseException:  # cancelled before listening: nothing of it stays open
+            self._send.close()
+            self._receive.close()
+            raise
         self._cache._listen(self._send)
         return self._receive
 
     async def __aexit__(self, *exc_info: object) -> None:
         self._cache._unlisten(self._send)
         self._receive.close()
+        await anyio.lowlevel.cancel_shielded_checkpoint()
+
+
+def _policy(s: Section, name: str) -> str:
+    """``eviction_policy``, checked now (a bad name or module fails here, named)."""
+    try:
+        return check_policy(name)
+    except ValueError as exc:
+        raise ConfigError(s.name("eviction_policy"), str(exc)) from exc

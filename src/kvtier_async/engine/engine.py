@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import anyio
+import anyio.lowlevel
 
 from kvtier_async._log import get_logger
 
@@ -175,7 +176,9 @@ class Engine:
 
     async def submit(self, job: Job) -> JobHandle:
         """Queue a job, waiting for room in its queue. Cancelled while waiting, or on
-        `EngineClosed`, nothing was queued."""
+        `EngineClosed`, nothing was queued. A checkpoint first, room or not (as trio asks
+        of every async call: a caller looping on it lets other tasks and deadlines in)."""
+        await anyio.lowlevel.checkpoint()
         lane, handle = self._lane(job), JobHandle(job, self._job_done)
         try:
             await lane.submit(handle)
@@ -210,7 +213,9 @@ class Engine:
         return self._inflight > 0
 
     async def drain(self) -> None:
-        """Wait until every job submitted so far (and any submitted meanwhile) ended."""
+        """Wait until every job submitted so far (and any submitted meanwhile) ended; a
+        checkpoint even when idle."""
+        await anyio.lowlevel.checkpoint()
         while self._inflight:
             await self._idle.wait()
 
