@@ -268,6 +268,11 @@ async def test_exit_with_an_error_cancels_in_flight_work_and_releases_it() -> No
         ({"block_bytes": 0}, "block_bytes"),
         ({"colour": "red"}, "colour"),
         ({"eviction_policy": 3}, "eviction_policy"),
+        ({"eviction_policy": "fifo"}, "eviction_policy"),
+        ({"eviction_policy": "kvtier_nosuchmod:X"}, "eviction_policy"),  # not importable
+        ({"eviction_policy": "kvtier_async.ledger:LedgerError"}, "eviction_policy"),
+        ({"close_timeout_s": float("nan")}, "close_timeout_s"),
+        ({"close_timeout_s": float("inf")}, "close_timeout_s"),
         ({"store_policy": "sometimes"}, "store_policy"),
         ({"cpu_bytes_to_use": 1 << 20}, "cpu_bytes_to_use"),  # with num_slots too
     ],

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvtier_async.api import CacheConfig, TieredKVCache
+from kvtier_async.config import ConfigError
 from kvtier_async.integrations.vllm.config import ConnectorConfig
 from kvtier_async.ledger import LookupResult, PrimaryLedger, make_offload_key, make_policy
 from kvtier_async.ledger.policies import SlotTable
@@ -73,6 +74,26 @@ def test_prefix_by_name_in_the_ledger_and_both_configs() -> None:
     # a module path given beside a built-in name does not override it (as for lru and arc)
     extra["cache_policy_module_path"] = "somewhere.else"
     assert ConnectorConfig.from_extra_config(extra).eviction_policy == "prefix"
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "message"),
+    [
+        ({"eviction_policy": "fifo"}, "eviction_policy", "must be one of"),
+        ({"eviction_policy": "kvtier_nosuchmod:X"}, "eviction_policy", "cannot be imported"),
+        (
+            {"eviction_policy": "x", "cache_policy_module_path": "kvtier_nosuchmod:X"},
+            "cache_policy_module_path",
+            "cannot be imported",
+        ),
+    ],
+)
+def test_a_policy_that_cannot_be_had_is_refused_at_validation(
+    extra: dict[str, str], field: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        ConnectorConfig.from_extra_config({"cpu_bytes_to_use": 1 << 20, **extra})
+    assert info.value.field.endswith(field)
 
 
 # --- private chains, shared forks ---------------------------------------------------------

@@ -13,6 +13,7 @@ such as one entry of ``secondary_tiers``) shows it as ``'***'`` in its repr.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final, TypeVar
 
@@ -114,6 +115,8 @@ class Section:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(self.name(key), f"must be a number, got {_shown(key, value)}")
+        if not math.isfinite(value):  # NaN compares false with every bound
+            raise ConfigError(self.name(key), f"must be a finite number, got {_shown(key, value)}")
         if value < low or (high is not None and value > high):
             bound = f">= {low}" if high is None else f"in [{low}, {high}]"
             raise ConfigError(self.name(key), f"must be {bound}, got {_shown(key, value)}")

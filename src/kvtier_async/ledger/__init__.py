@@ -20,7 +20,15 @@ from ._types import (
     split_offload_key,
 )
 from .keys import prefix_keys
-from .policies import ARCPolicy, CachePolicy, LRUPolicy, RequestAccess, SlotTable, make_policy
+from .policies import (
+    ARCPolicy,
+    CachePolicy,
+    LRUPolicy,
+    RequestAccess,
+    SlotTable,
+    check_policy,
+    make_policy,
+)
 from .primary import LedgerStatistics, PrimaryLedger
 from .tiering import StorePolicy, TierCounters, TieringLedger, TierTask
 
@@ -46,6 +54,7 @@ __all__ = [
     "TierSpec",
     "TierTask",
     "TieringLedger",
+    "check_policy",
     "get_group_idx",
     "make_offload_key",
     "make_offload_keys",

@@ -60,6 +60,7 @@ __all__ = [
     "LRUPolicy",
     "RequestAccess",
     "SlotTable",
+    "check_policy",
     "make_policy",
 ]
 
@@ -560,18 +561,32 @@ def make_policy(name: str, capacity: int, table: SlotTable) -> CachePolicy:
     """Build a policy by name (``lru``, ``arc``, ``prefix``) or by ``package.module:ClassName``."""
     cls = _BUILTIN.get(name)
     if cls is None:
-        cls = _import_policy(name)
+        try:
+            cls = _import_policy(name)
+        except ValueError as exc:
+            raise ValueError(f"eviction_policy {exc}") from exc.__cause__
     return cls(capacity, table)
+
+
+def check_policy(name: str) -> str:
+    """``name`` if it names a policy (built in, or a `CachePolicy` subclass that imports);
+    else `ValueError` saying what is allowed. For config validation, before any state."""
+    if name not in _BUILTIN:
+        _import_policy(name)
+    return name
 
 
 def _import_policy(path: str) -> type[CachePolicy]:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(
-            f"eviction_policy must be one of {sorted(_BUILTIN)} or 'package.module:ClassName', "
-            f"got {path!r}"
+            f"must be one of {sorted(_BUILTIN)} or 'package.module:ClassName', got {path!r}"
         )
-    cls = getattr(importlib.import_module(module_name), attr, None)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:  # ModuleNotFoundError included
+        raise ValueError(f"{path!r}: module {module_name!r} cannot be imported ({exc})") from exc
+    cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, CachePolicy)):
-        raise ValueError(f"eviction_policy {path!r} does not name a CachePolicy subclass")
+        raise ValueError(f"{path!r} does not name a CachePolicy subclass")
     return cls

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvtier_async._log import get_logger
 from kvtier_async.config import ConfigError, Section, config_mappings
+from kvtier_async.ledger import check_policy
 
 __all__ = ["ConnectorConfig"]
 
@@ -87,11 +88,17 @@ class ConnectorConfig:
             )
         policy = s.get_str("eviction_policy", "lru")
         module = s.get_str("cache_policy_module_path", None)
+        chosen = module if module and policy not in ("lru", "arc", "prefix") else policy
+        try:
+            check_policy(chosen)
+        except ValueError as exc:
+            field = "cache_policy_module_path" if chosen is module else "eviction_policy"
+            raise ConfigError(s.name(field), str(exc)) from exc
         return cls(
             spec_name=spec,
             cpu_bytes_to_use=s.get_int("cpu_bytes_to_use", low=1),
             block_size=s.get_int("block_size", None, low=1),
-            eviction_policy=module if module and policy not in ("lru", "arc", "prefix") else policy,
+            eviction_policy=chosen,
             secondary_tiers=tiers,
             offload_prompt_only=s.get_bool("offload_prompt_only", True),
             store_threshold=max(1, s.get_int("store_threshold", 1)),
