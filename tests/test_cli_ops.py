@@ -172,6 +172,28 @@ def test_inspect_reports_models_ranks_config_and_leftovers(
     assert report["other_files"] == ["README"]
 
 
+@pytest.mark.parametrize("planted", ["directory", "fifo", "dev-zero-link"])
+def test_inspect_reports_a_config_json_it_cannot_trust_and_goes_on(
+    root: Path, capsys: pytest.CaptureFixture[str], planted: str
+) -> None:
+    """Never read, never waited on (a FIFO without a writer), never crashes the report;
+    --verify then judges each block by its own header."""
+    store_blocks(root, CTX_A, 3)
+    config = root / CTX_A.namespace / "config.json"
+    config.unlink()
+    if planted == "directory":
+        config.mkdir(mode=0o700)
+    elif planted == "fifo":
+        os.mkfifo(config, 0o600)
+    else:
+        config.symlink_to("/dev/zero")
+    for args in (["inspect"], ["inspect", "--verify"]):
+        status, out, err = cli(capsys, *args, str(root))
+        assert status == 0, err
+        assert "config.json unreadable" in out
+        assert out.startswith(f"{root}: 1 model namespace, 3 blocks")
+
+
 def test_inspect_says_when_a_root_holds_no_namespace(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -665,6 +665,79 @@ async def test_a_symlink_in_place_of_a_block_is_unlinked_never_followed(
         assert (elsewhere.read_bytes() if elsewhere.exists() else None) == good
 
 
+class _Unblocker:
+    """A fail-safe for code that might block opening a FIFO: if ``done`` is not set within
+    ``WAIT_S``, open the FIFO for writing (which lets a blocked reader go on) and note it."""
+
+    def __init__(self, fifo: Path) -> None:
+        self.done = threading.Event()
+        self.had_to = False
+        self._fifo = fifo
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if not self.done.wait(WAIT_S):
+            self.had_to = True
+            with contextlib.suppress(OSError):
+                os.close(os.open(self._fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    def finish(self) -> bool:
+        """Whether the code ran without the fail-safe."""
+        self.done.set()
+        self._thread.join(WAIT_S)
+        return not self.had_to
+
+
+@pytest.mark.anyio
+async def test_a_fifo_in_place_of_a_block_is_a_miss_never_a_wait(
+    disk_dir: Path, slots: Slots
+) -> None:
+    """Replaced between lookup and load: the load opens it without waiting for a writer,
+    refuses it (not a regular file), removes it and reports the key, as for damage."""
+    async with opened(new_tier(disk_dir)) as tier:
+        key, view, path = await _stored_block(tier, slots)
+        assert await tier.lookup([key]) == [True]
+        path.unlink()
+        os.mkfifo(path, 0o600)
+        unblocker = _Unblocker(path)
+        try:
+            await _assert_fails_and_is_gone(tier, key, view, path)
+        finally:
+            assert unblocker.finish(), "the load waited on the FIFO"
+
+
+@pytest.mark.anyio
+@pytest.mark.single_path  # the tier's open, the same on both paths
+@pytest.mark.parametrize("planted", ["fifo", "dev-zero-link", "directory", "sparse-8g", "deep"])
+async def test_a_config_json_we_did_not_write_refuses_the_root_without_waiting(
+    disk_dir: Path, planted: str
+) -> None:
+    ctx = TierContext(block_bytes=PAGE)
+    async with opened(new_tier(disk_dir, ctx=ctx)) as tier:
+        config = Path(tier.namespace_dir) / "config.json"
+    config.unlink()
+    unblocker = None
+    if planted == "fifo":
+        os.mkfifo(config, 0o600)
+        unblocker = _Unblocker(config)
+    elif planted == "dev-zero-link":
+        config.symlink_to("/dev/zero")
+    elif planted == "directory":
+        config.mkdir(0o700)
+    elif planted == "sparse-8g":
+        with open(config, "wb") as f:
+            f.truncate(8 << 30)
+    else:
+        config.write_text("[" * 100_000 + "]" * 100_000)
+    try:
+        with pytest.raises(fs_publish.UntrustedRootError, match="config.json"):
+            await new_tier(disk_dir, ctx=ctx).open()
+    finally:
+        if unblocker is not None:
+            assert unblocker.finish(), "the open waited on the FIFO"
+
+
 @pytest.mark.anyio
 async def test_a_block_the_tier_holds_is_never_rewritten(disk_dir: Path, slots: Slots) -> None:
     """A key stored again (a cascade after a cache reset, another engine on the same root)

@@ -96,8 +96,8 @@ def read_owner(path: Path) -> OwnerRecord | None:
     """Read an owner record; None if it is missing, unreadable, malformed, a symbolic link,
     not a regular file or not owned by this user."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # a FIFO opens at once (O_NONBLOCK) and is refused below
         return None
     try:
         return read_owner_fd(fd)

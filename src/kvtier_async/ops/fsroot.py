@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import stat
 import threading
@@ -37,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from kvtier_async._safefile import SAFE_READ_FLAGS, read_json
 from kvtier_async.ops.layout import (
     CONFIG_NAME,
     NAMESPACE_RE,
@@ -60,6 +60,7 @@ from kvtier_async.tiers.fs.tempfiles import TEMP_RE, identity, process_start
 __all__ = ["check_root", "gc_apply", "gc_plan", "repair", "temp_writer", "verify", "walk"]
 
 _CONFIG_MAX: Final = 1 << 20
+_CONFIG_DEPTH: Final = 32
 
 
 def check_root(path: str) -> str:
@@ -114,22 +115,20 @@ def _entries(top: str, relative: str) -> Iterator[tuple[str, os.stat_result]]:
 
 
 def _read_config(top: str, ns: Namespace) -> None:
-    """Read ``ns``'s ``config.json`` into ``ns.config``, or say in ``config_note`` why not."""
+    """Read ``ns``'s ``config.json`` into ``ns.config``, or say in ``config_note`` why not
+    (a link, a FIFO, a device or a directory is never read; see `kvtier_async._safefile`)."""
     path = os.path.join(top, ns.name, CONFIG_NAME)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        data = read_json(path, max_bytes=_CONFIG_MAX, max_depth=_CONFIG_DEPTH)
     except FileNotFoundError:
         ns.config_note = "no config.json"
         return
     except OSError as exc:
         ns.config_note = f"config.json unreadable: {_problem(exc)}"
         return
-    with open(fd, "rb") as f:
-        try:
-            data = json.loads(f.read(_CONFIG_MAX))
-        except (OSError, ValueError) as exc:
-            ns.config_note = f"config.json unreadable: {exc}"
-            return
+    except ValueError as exc:  # too large, too deep, not JSON
+        ns.config_note = f"config.json unreadable: {exc}"
+        return
     if isinstance(data, dict):
         ns.config = data
     else:
@@ -222,7 +221,7 @@ def _verify_one(
         )
     path = os.path.join(top, block.relpath)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, SAFE_READ_FLAGS)  # a FIFO opens at once, and is not read
     except FileNotFoundError:
         return "vanished", 0, buffer
     except OSError as exc:
@@ -231,6 +230,8 @@ def _verify_one(
         return f"{block.relpath}: {_problem(exc)}", 0, buffer
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return Damage(block.relpath, "not a regular file", (st.st_dev, st.st_ino)), 0, buffer
         damage = too_large(st.st_size)
         if damage is not None:
             return Damage(block.relpath, str(damage), (st.st_dev, st.st_ino)), 0, buffer

@@ -119,12 +119,13 @@ def _mapped(path: Path, st: os.stat_result) -> bool | None:
     if st.st_size == 0:
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_ino != st.st_ino:
-            return None  # replaced under us
+        now = os.fstat(fd)
+        if now.st_ino != st.st_ino or not stat.S_ISREG(now.st_mode):
+            return None  # replaced under us, or not a region file
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

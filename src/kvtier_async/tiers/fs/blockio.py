@@ -103,10 +103,12 @@ def read_block(fd: int, key: bytes, block: memoryview) -> None:
     page = header_page()
     expected = HEADER_BYTES + block.nbytes
     st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before any read: a FIFO or device is never read
+        raise CorruptBlockError(f"not a regular file (mode {st.st_mode:o})")
     got = read_all(fd, [page, block])
     if got != expected:
         raise short_file(got, expected)
-    if not stat.S_ISREG(st.st_mode) or st.st_size != expected:
+    if st.st_size != expected:
         raise wrong_size(st.st_size, expected)
     verify_block(page, key, block)
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from kvtier_async._log import RateLimited, get_logger
+from kvtier_async._safefile import SAFE_READ_FLAGS
 from kvtier_async.tiers._checksum import CHECKSUM_NAME
 from kvtier_async.tiers.base import TierContext
 from kvtier_async.tiers.blockfile import (
@@ -348,7 +349,7 @@ class BlockFiles:
             self.refuse_load(key, exc)
             return False
         try:
-            fd = open_file(path, os.O_RDONLY | os.O_NOFOLLOW | (O_DIRECT if direct else 0))
+            fd = open_file(path, SAFE_READ_FLAGS | (O_DIRECT if direct else 0))  # FIFO: no wait
         except FileNotFoundError:
             return False
         except OSError as exc:

@@ -490,7 +490,8 @@ struct load_args {
 static void load_one(const struct load_args *a, int64_t i) {
     int64_t head_n = KVB_HEADER_BYTES, body_n = a->body_n;
     a->step[i] = 0; a->got[i] = 0; a->dev[i] = 0; a->ino[i] = 0;
-    int fd = open(a->paths[i], O_RDONLY | O_CLOEXEC | O_NOFOLLOW | a->flags[i]);
+    /* O_NONBLOCK: a FIFO put in a block's place opens at once (and is then refused). */
+    int fd = open(a->paths[i], O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | a->flags[i]);
     if (fd < 0) {
         a->result[i] = errno == ENOENT ? LOAD_MISSING : -errno;
         a->step[i] = STEP_OPEN;
@@ -500,6 +501,13 @@ static void load_one(const struct load_args *a, int64_t i) {
     const unsigned char *want = a->expect + (size_t)KVB_FIELDS_BYTES * (size_t)i;
     struct stat st;
     int have_st = fstat(fd, &st) == 0;
+    if (!have_st || !S_ISREG(st.st_mode)) {  /* never read what is not a regular file */
+        a->result[i] = LOAD_BAD_SIZE;
+        a->got[i] = have_st ? (int64_t)st.st_size : 0;
+        if (have_st) { a->dev[i] = st.st_dev; a->ino[i] = st.st_ino; }
+        close(fd);
+        return;
+    }
     /* The header and the first piece of the payload in one read (O_DIRECT: all of it). */
     int direct = (a->flags[i] & O_DIRECT) != 0;
     size_t first = direct || (size_t)body_n < CHUNK ? (size_t)body_n : CHUNK;

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from kvtier_async._log import get_logger
+from kvtier_async._safefile import read_json
 from kvtier_async.tiers.base import TierContext
 from kvtier_async.tiers.fs.blockio import (
     ALIGN,
@@ -58,6 +59,7 @@ __all__ = [
     "Directories",
     "IoMode",
     "Perms",
+    "UntrustedRootError",
     "create_file",
     "make_dirs",
     "memory_fs",
@@ -388,6 +390,13 @@ def _probe_direct(directory: str, publish: str, perms: Perms) -> bool:
 
 # -- config.json -----------------------------------------------------------------------------
 
+CONFIG_MAX_BYTES: Final = 64 * 1024  # what we write is a few hundred bytes
+CONFIG_MAX_DEPTH: Final = 8  # a flat object
+
+
+class UntrustedRootError(ValueError):
+    """A tier root holds metadata we did not write (see `_check_config`)."""
+
 
 def write_config(ns_dir: str, ctx: TierContext, perms: Perms) -> None:
     """Create ``config.json`` once (atomically); warn if an existing one differs."""
@@ -414,11 +423,14 @@ def write_config(ns_dir: str, ctx: TierContext, perms: Perms) -> None:
 
 
 def _check_config(path: str, fields: dict[str, object]) -> None:
+    """An existing ``config.json``: one that is not a small JSON file (a link, a FIFO, a
+    device, a directory, too large or too deep: nothing we wrote) refuses the root."""
     try:
-        with open(path, "rb") as f:
-            existing = json.load(f)
+        existing = read_json(path, max_bytes=CONFIG_MAX_BYTES, max_depth=CONFIG_MAX_DEPTH)
     except (OSError, ValueError) as exc:
-        log.warning("fs tier config.json unreadable", path=path, error=str(exc))
-        return
+        raise UntrustedRootError(
+            f"fs tier: {path} is not a config.json this tier wrote ({exc}); move it away "
+            "or use another root_dir"
+        ) from exc
     if existing != json.loads(json.dumps(fields)):
         log.warning("fs tier config.json differs from this configuration", path=path)
