@@ -5,7 +5,8 @@ order and one shuffled, so they race on the same names; each prints the keys its
 confirmed stored. A reader child, on the same root or bucket with a cache of its own, loads
 random blocks of the stream (its CPU tier cleared every few loads, so they come from the
 shared tier) and checks every byte, until the writers are done. Then every key either
-writer confirmed must load here, byte for byte.
+writer confirmed must load here, byte for byte. How many loads the reader got in while the
+writers ran is noted, not judged: it depends on how busy the machine is.
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ def share(row: Row, tier: dict[str, Any], stream: str, scratch: Path) -> str:
             child.kill()
     row.wrong_bytes += int(wrong)
     Calls(row).record("reader's lookup/load/reset", float(longest))
-    if int(loads) == 0:
-        row.problems.append(f"{stream}: the reader loaded nothing while the writers ran")
+    # How many loads overlapped the writers depends on the machine's speed (on a loaded one
+    # the writers may finish first): a figure for the note, never a failure. The outcomes
+    # are what fail a row: a wrong byte, a durable block lost, a call past its bound.
     anyio.run(final_check, row, tier, stream, durable)
     row.trials += 1
     return loads
