@@ -155,3 +155,26 @@ async def test_each_engine_call_yields(name: str) -> None:
         turns = await _turns_beside(lambda: call(engine))
         assert turns >= CALLS_PER_CHECK // 2, f"{name}: the ticker got {turns} turns"
         await engine.drain()
+
+
+async def test_the_hits_of_a_lookup_are_still_there_for_the_load_right_after() -> None:
+    """The checkpoints sit before each call's decision, never between a lookup's answer and
+    the load's pins: another task storing (and evicting) all the while never makes the
+    load right after a lookup fail."""
+    stop = False
+
+    async def churn(cache: TieredKVCache) -> None:
+        i = 100
+        while not stop:
+            i += 1
+            await cache.store([k(i), k(i + 1)], held())  # two slots: evicts everything else
+
+    async with TieredKVCache(config(slots=2)) as cache, anyio.create_task_group() as tg:
+        tg.start_soon(churn, cache)
+        loaded = 0
+        for _ in range(300):
+            await cache.store([k(1)], held()[:1])
+            hits = await cache.lookup([k(1)])
+            loaded += await cache.load([k(1)][:hits], [np.zeros(BLOCK, np.uint8)][:hits])
+        stop = True
+    assert loaded > 0  # some lookups found the key before the churn evicted it

@@ -731,7 +731,7 @@ async def test_a_config_json_we_did_not_write_refuses_the_root_without_waiting(
     else:
         config.write_text("[" * 100_000 + "]" * 100_000)
     try:
-        with pytest.raises(fs_publish.UntrustedRootError, match="config.json"):
+        with pytest.raises(fs_publish.UntrustedRootError, match=r"config\.json"):
             await new_tier(disk_dir, ctx=ctx).open()
     finally:
         if unblocker is not None:

@@ -203,6 +203,8 @@ class TieredKVCache:
     # --- lifecycle ---------------------------------------------------------------------
 
     async def __aenter__(self) -> TieredKVCache:
+        if self._region is not None or self._engine is not None:
+            raise RuntimeError("this TieredKVCache is open already: enter it once at a time")
         cfg = self.config
         region = await anyio.to_thread.run_sync(_open_region, cfg)
         self._region = region
@@ -441,13 +443,19 @@ class TieredKVCache:
         self, keys: Sequence[bytes], blocks: Sequence[Any], req: Hashable | None = None
     ) -> int:
         """Copy readable keys (see `lookup`) from the CPU tier into ``blocks``; how many
-        arrived. Raises `LedgerError` if a key is not readable."""
+        arrived. Raises `LedgerError` if a key is not readable. Called right after `lookup`
+        (no other await between them), the hits it answered are readable still: neither
+        call yields between its answer and the load's pins."""
         _check_keys(keys)
         views = self._views(keys, blocks, writable=True)
         self._require_open()
-        await anyio.lowlevel.checkpoint()
         if not keys:
+            await anyio.lowlevel.checkpoint()
             return 0
+        # No checkpoint before the pins: between `lookup` returning its hits and this
+        # `prepare_load`, nothing else runs, so the hits are still there (another task's
+        # store could evict them otherwise). The submission right after is the checkpoint;
+        # cancelled there, the pins are given back.
         slots = self.ledger.prepare_load(keys, req)  # a reuse (None: by a call of its own)
         result = await self._run(Job(JobKind.LOAD, tuple(keys), (slots, views)))
         return sum(result.ok)
@@ -597,7 +605,9 @@ def _check_keys(keys: object) -> None:
 def _open_region(cfg: CacheConfig) -> SharedRegion:
     """The CPU tier's region, pinned for DMA when CUDA is present (a no-op without; a failed
     registration is logged and copies use pageable memory)."""
-    region = SharedRegion(cfg.instance_id, cfg.num_slots, cfg.block_bytes, directory=cfg.region_dir)
+    region = SharedRegion(
+        cfg.instance_id, cfg.num_slots, cfg.block_bytes, directory=cfg.region_dir, role="worker"
+    )  # a second live cache with this instance_id is refused: it would share the bytes
     try:
         region.register_cuda()
     except BaseException:
