@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from multiprocessing.synchronize import Event
@@ -138,3 +139,26 @@ def test_a_claim_file_we_did_not_make_is_refused(shm_dir: Path, iid: str, plante
     with pytest.raises(RegionClaimedError, match=r"link|private"):
         SharedRegion(iid, 2, 64, directory=shm_dir, role="worker")
     assert not (shm_dir / f"kvtier_{iid}.mmap").exists()  # nothing mapped, nothing made
+
+
+def test_the_reaper_removes_the_claims_killed_holders_left(shm_dir: Path, iid: str) -> None:
+    """A killed engine (vllm serve's SIGTERM kills its processes at once) leaves no claim
+    file once the reaper removed its region."""
+    ready, never = CTX.Event(), CTX.Event()
+    proc = CTX.Process(target=_hold, args=(iid, str(shm_dir), ready, never))
+    proc.start()
+    try:
+        assert ready.wait(WAIT_S)
+        assert claim_path(shm_dir / f"kvtier_{iid}.mmap", "r0").exists()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(WAIT_S)
+        left = list(shm_dir.iterdir())
+        deadline = time.monotonic() + 120  # the reaper runs in a process of its own
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = list(shm_dir.iterdir())
+        assert left == [], f"left after the reaper: {sorted(p.name for p in left)}"
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()

@@ -345,9 +345,11 @@ class TieredKVCache:
         """Submit the work the ledger decided (promotions, lookups, cascades).
 
         Every public async call of the cache passes a checkpoint (a cancellation point and a
-        turn for other tasks) before it changes anything, even when it has nothing to wait
-        for (all hits, no keys, nothing to submit): a task looping on such calls never
-        starves the others, a deadline around it is honoured, and close gets its turn."""
+        turn for other tasks), even when it has nothing to wait for (all hits, no keys,
+        nothing to submit): a task looping on such calls never starves the others, a
+        deadline around it is honoured, and close gets its turn. The checkpoint comes before
+        the call decides anything, except in `load`, where it is the submission right after
+        the pins (see `load`)."""
         self._require_open()
         await anyio.lowlevel.checkpoint()
         await self._flush()

@@ -11,7 +11,8 @@ file; it holds the holder's pid for the error message. The kernel drops the lock
 holder dies (``kill -9`` included), so a restart just claims again; a role taken twice is
 refused (`kvtier_async.memory.RegionClaimedError`), naming the id, the role and the holder's
 pid. A forked child inherits the descriptor, not the claim's ownership: only the claiming
-process removes the file.
+process removes the file. A killed holder leaves its file behind, unlocked (a few bytes):
+the next claimer of that role takes it over.
 
 *Removal race.* The holder unlinks the file while it still holds the lock, then closes it.
 A process that opened the old file before the unlink may get its lock after the close; it
