@@ -67,3 +67,13 @@ def test_close_timeout_s_is_validated() -> None:
         CacheConfig.from_dict({**config(1.0), "close_timeout_s": "soon"})
     with pytest.raises(ConfigError, match="close_timeout_s: must be in"):
         CacheConfig.from_dict({**config(1.0), "close_timeout_s": -1})
+
+
+async def test_entering_an_open_cache_again_is_a_clear_error() -> None:
+    cache = TieredKVCache(config(1.0))
+    async with cache:
+        with pytest.raises(RuntimeError, match="open already"):
+            await cache.__aenter__()
+        assert await cache.lookup([]) == 0  # still open, still working
+    async with cache:  # once closed, it may be entered again
+        pass

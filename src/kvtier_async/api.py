@@ -607,9 +607,7 @@ def _check_keys(keys: object) -> None:
 def _open_region(cfg: CacheConfig) -> SharedRegion:
     """The CPU tier's region, pinned for DMA when CUDA is present (a no-op without; a failed
     registration is logged and copies use pageable memory)."""
-    region = SharedRegion(
-        cfg.instance_id, cfg.num_slots, cfg.block_bytes, directory=cfg.region_dir, role="worker"
-    )  # a second live cache with this instance_id is refused: it would share the bytes
+    region = SharedRegion(cfg.instance_id, cfg.num_slots, cfg.block_bytes, directory=cfg.region_dir)
     try:
         region.register_cuda()
     except BaseException:

@@ -2,7 +2,6 @@
 
 from kvtier_async.memory.region import (
     PAGE_SIZE,
-    RegionClaimedError,
     RegionError,
     RegionInUseError,
     RegionLayoutError,
@@ -16,7 +15,6 @@ from kvtier_async.memory.region import (
 
 __all__ = [
     "PAGE_SIZE",
-    "RegionClaimedError",
     "RegionError",
     "RegionInUseError",
     "RegionLayoutError",

@@ -9,9 +9,8 @@ creator hands it ``inode path`` of each region it makes, over a pipe. For each, 
 of the reaper opens the file and waits for ``flock(LOCK_EX)``, which the kernel grants only
 once every mapper has released its shared lock, by closing or by dying. Then, if the path
 is still that inode, the reaper removes the owner record and the file, as the creator's
-close would have, and the claim files (`kvtier_async.memory._claim`) that killed holders
-left beside it, each one only if nobody holds its lock. It ends when the pipe closes (every
-process that could hand it a region is gone) and its last region is removed.
+close would have. It ends when the pipe closes (every process that could hand it a region
+is gone) and its last region is removed.
 
 The helper runs the standard library only (``python -I -S``: no site, no environment, no
 import of this package), ignores SIGINT and SIGTERM (a Ctrl-C or a signal to the process
@@ -37,7 +36,7 @@ __all__ = ["enabled", "watch"]
 log = get_logger(__name__)
 
 _SCRIPT = r"""
-import fcntl, os, signal, stat, sys, threading
+import fcntl, os, signal, sys, threading
 
 if os.fork():  # the parent returns at once: the reaper is nobody's child to wait for
     os._exit(0)
@@ -54,49 +53,17 @@ def reap(inode, path):
             return
         fcntl.flock(fd, fcntl.LOCK_EX)  # granted once no process maps the file
         try:
-            if os.lstat(path).st_ino == inode:  # else: removed, or another region's now
-                for name in (path + ".owner", path):  # the record first, as at close
-                    try:
-                        os.unlink(name)
-                    except FileNotFoundError:
-                        pass
+            if os.lstat(path).st_ino != inode:
+                return  # closed and replaced meanwhile: another region's file
         except FileNotFoundError:
-            pass  # its creator removed it
-        free_claims(path)
-    finally:
-        os.close(fd)
-
-def free_claims(path):
-    # The claim files killed holders left beside the region: each one nobody holds.
-    directory, name = os.path.split(path)
-    prefix = name[: -len(".mmap")] + "."
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for entry in names:
-        if not (entry.startswith(prefix) and entry.endswith(".claim")):
-            continue
-        claim = os.path.join(directory, entry)
-        try:
-            cfd = os.open(claim, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(cfd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                continue
+            return  # its creator removed it
+        for name in (path + ".owner", path):  # the record first, as the creator does
             try:
-                fcntl.flock(cfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # held: a live claim
-            try:
-                if os.lstat(claim).st_ino == st.st_ino:
-                    os.unlink(claim)
+                os.unlink(name)
             except FileNotFoundError:
                 pass
-        finally:
-            os.close(cfd)
+    finally:
+        os.close(fd)
 
 threads = []
 for line in sys.stdin:

@@ -80,7 +80,7 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -88,7 +88,6 @@ import numpy.typing as npt
 from kvtier_async._cudart import runtime
 from kvtier_async._log import get_logger
 from kvtier_async.memory import _reaper
-from kvtier_async.memory._claim import Claim, ClaimRefused
 from kvtier_async.memory._owner import (
     OwnerRecord,
     is_alive,
@@ -101,7 +100,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "RegionClaimedError",
     "RegionError",
     "RegionInUseError",
     "RegionLayoutError",
@@ -140,11 +138,6 @@ class StaleRegionError(RegionError):
     live process still maps it, so it cannot be reclaimed."""
 
 
-class RegionClaimedError(RegionError):
-    """Another live handle holds this handle's role of the region: another cache or engine
-    with the same ``instance_id`` (see `kvtier_async.memory._claim`)."""
-
-
 class RegionInUseError(RegionError, BufferError):
     """The mapping cannot be unmapped: views of it are still alive."""
 
@@ -165,17 +158,12 @@ class SharedRegion:
         worker_rank: This worker, ``0 <= worker_rank < num_workers``.
         directory: Where the file lives; ``/dev/shm`` keeps it in RAM.
         wait_timeout_s: How long a non-creator waits for the creator to size the file.
-        role: ``"worker"`` claims this worker's rank, ``"scheduler"`` the connector's
-            scheduler role (`kvtier_async.memory._claim`): a second live handle of the
-            same role is refused. None claims nothing (tools, tests).
 
     Raises:
         ValueError: An argument is invalid (the message names it).
         TimeoutError: The creator did not size the file within ``wait_timeout_s``.
         RegionLayoutError: The file was sized for a different configuration.
         StaleRegionError: The file's creator is dead but a live process still maps it.
-        RegionClaimedError: Another live handle holds ``role`` (the same ``instance_id``
-            in another cache or engine).
         RegionError: The creator removed the file before sizing it, prefaulting failed, or
             the file is not this user's private regular file (a symbolic link, another
             owner, a mode wider than 0600).
@@ -192,7 +180,6 @@ class SharedRegion:
         worker_rank: int = 0,
         directory: str | os.PathLike[str] = "/dev/shm",
         wait_timeout_s: float = 30.0,
-        role: str | None = None,
     ) -> None:
         self._instance_id = _check_instance_id(instance_id)
         self._num_slots = _check_int("num_slots", num_slots, low=1)
@@ -206,19 +193,13 @@ class SharedRegion:
         self._closed = False
         self._cuda_registered = False
         self._pid = os.getpid()  # a forked child inherits the handle, not the ownership
-        self._claim = self._take_claim(role)
-        try:
-            fd, self._creator = self._acquire(deadline)
-        except BaseException:
-            self._release_claim()
-            raise
+        fd, self._creator = self._acquire(deadline)
         try:
             self._mm: mmap.mmap | None = self._map(fd)
         except BaseException:
             if self._creator:
                 self._unlink()
             os.close(fd)
-            self._release_claim()
             raise
         # The descriptor (and its shared lock) lives as long as the mapping: closed by
         # close(), or when the mapping is collected after its last view.
@@ -398,27 +379,7 @@ class SharedRegion:
             ) from exc
         self._mm = None
         self._release_fd()
-        self._release_claim()
         log.debug("shared region closed", path=str(self._path))
-
-    def _take_claim(self, role: str | None) -> weakref.finalize[[], Any] | None:
-        """Claim ``role`` (``worker``: this rank; ``scheduler``; None: no claim, for tools
-        and tests that map a region beside its owner). Held until close, or until this
-        handle is collected."""
-        if role is None:
-            return None
-        if role not in ("worker", "scheduler"):
-            raise ValueError(f"role must be 'worker', 'scheduler' or None, got {role!r}")
-        name = f"r{self._rank}" if role == "worker" else role
-        try:
-            claim = Claim(self._path, self._instance_id, name)
-        except ClaimRefused as exc:
-            raise RegionClaimedError(str(exc)) from None
-        return weakref.finalize(self, claim.release)
-
-    def _release_claim(self) -> None:
-        if self._claim is not None:
-            self._claim()
 
     def __enter__(self) -> SharedRegion:
         return self

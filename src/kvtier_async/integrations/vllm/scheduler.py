@@ -209,7 +209,6 @@ class ConnectorScheduler:
             worker_rank=0,
             directory=self.config.region_dir,
             wait_timeout_s=self.config.wait_timeout_s,
-            role="scheduler",
         )
         rows = self._region.rows.cast("B")
         span = layout.row_bytes * layout.num_workers

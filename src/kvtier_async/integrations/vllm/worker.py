@@ -91,7 +91,6 @@ class ConnectorWorker:
             worker_rank=layout.rank,
             directory=self.config.region_dir,
             wait_timeout_s=self.config.wait_timeout_s,
-            role="worker",
         )
         if kv.device.type == "cuda":
             self._region.register_cuda()
