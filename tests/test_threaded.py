@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -29,6 +29,13 @@ class BlockingDevice:
         return [True] * len(job.keys), 0
 
 
+def releasing_engine() -> Callable[[], Engine]:
+    """``make_engine`` for an engine whose device jobs end at once."""
+    device = BlockingDevice()
+    device.release.set()
+    return lambda: Engine([], lambda s: memoryview(b""), device=device)
+
+
 def wait_for_results(threaded: ThreadedEngine, n: int) -> list[JobResult | Deferred]:
     out: list[JobResult | Deferred] = []
     while len(out) < n:
@@ -39,13 +46,7 @@ def wait_for_results(threaded: ThreadedEngine, n: int) -> list[JobResult | Defer
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_results_come_back_through_poll(backend: str) -> None:
-    device = BlockingDevice()
-    device.release.set()
-
-    def make() -> Engine:
-        return Engine([], lambda s: memoryview(b""), device=device)
-
-    with ThreadedEngine(make, backend=backend) as threaded:
+    with ThreadedEngine(releasing_engine(), backend=backend) as threaded:
         jobs = [Job(JobKind.STORE, (b"k" * 8,)) for _ in range(5)]
         threaded.submit(jobs)
         results = wait_for_results(threaded, 5)
@@ -56,14 +57,8 @@ def test_results_come_back_through_poll(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_a_job_no_lane_takes_fails_and_the_rest_go_on(backend: str) -> None:
-    device = BlockingDevice()
-    device.release.set()
-
-    def make() -> Engine:
-        return Engine([], lambda s: memoryview(b""), device=device)
-
     before = set(threading.enumerate())
-    with ThreadedEngine(make, backend=backend) as threaded:
+    with ThreadedEngine(releasing_engine(), backend=backend) as threaded:
         bad = Job(JobKind.LOAD, (b"k" * 8,), tier=3)  # the engine has no tier 3
         good = Job(JobKind.STORE, (b"k" * 8,))
         threaded.submit([bad, good])

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from kvtier_async._safefile import SAFE_READ_FLAGS
 from kvtier_async.memory import find_stale_regions, region_path, remove_stale_regions
 from kvtier_async.memory._owner import OwnerRecord, is_alive, read_owner
 from kvtier_async.ops.layout import OpsError
@@ -119,7 +120,7 @@ def _mapped(path: Path, st: os.stat_result) -> bool | None:
     if st.st_size == 0:
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, SAFE_READ_FLAGS)
     except OSError:
         return None
     try:
