@@ -5,6 +5,7 @@ then cancels what is left and says so; nothing stays pinned. (Over a hung S3 end
 from __future__ import annotations
 
 import logging
+import os
 
 import anyio
 import numpy as np
@@ -76,4 +77,27 @@ async def test_entering_an_open_cache_again_is_a_clear_error() -> None:
             await cache.__aenter__()
         assert await cache.lookup([]) == 0  # still open, still working
     async with cache:  # once closed, it may be entered again
+        pass
+
+
+async def test_a_second_cache_with_the_same_instance_id_is_refused() -> None:
+    """Two live caches never share a region: the second one with the first one's
+    ``instance_id`` is refused (naming the id and the pid) and the first serves its own
+    bytes still."""
+    from kvtier_async.memory import RegionClaimedError
+
+    shared = {**config(1.0), "instance_id": f"same-{os.getpid()}-{id(object())}"}
+    key = make_offload_key(b"h" * 16, 0)
+    block = np.full(BLOCK, 7, dtype=np.uint8)
+    async with TieredKVCache(shared) as first:
+        await first.store([key], [block])
+        with pytest.raises(RegionClaimedError) as caught:
+            async with TieredKVCache(shared):
+                pass
+        assert repr(shared["instance_id"]) in str(caught.value)
+        assert f"process {os.getpid()}" in str(caught.value)
+        out = np.zeros(BLOCK, dtype=np.uint8)
+        assert await first.load([key], [out]) == 1
+        assert (out == 7).all()
+    async with TieredKVCache(shared):  # free again once the first closed
         pass

@@ -27,6 +27,7 @@ import pytest
 
 from kvtier_async.memory import (
     PAGE_SIZE,
+    RegionClaimedError,
     RegionError,
     RegionInUseError,
     RegionLayoutError,
@@ -633,6 +634,100 @@ def test_a_live_mapper_blocks_the_reclaim(shm_dir: Path, iid: str) -> None:
                 proc.kill()
             if proc.pid is not None:
                 proc.join()
+    assert list(shm_dir.iterdir()) == []
+
+
+# -- one owner per place (issue 23, item 2) ---------------------------------------------------
+
+
+def test_a_place_is_claimed_once_in_a_process(shm_dir: Path, iid: str) -> None:
+    first = SharedRegion(iid, 2, 8, directory=shm_dir, role="worker")
+    try:
+        with pytest.raises(RegionClaimedError) as caught:
+            SharedRegion(iid, 2, 8, directory=shm_dir, role="worker")
+        message = str(caught.value)
+        assert iid in message and f"process {os.getpid()}" in message
+        assert "worker rank 0" in message
+        first.slot_view(1)[:4] = b"mine"  # the refused handle touched nothing
+        assert bytes(first.slot_view(1)[:4]) == b"mine"
+    finally:
+        first.close()
+    with SharedRegion(iid, 2, 8, directory=shm_dir, role="worker") as again:
+        assert again.is_creator  # the place is free once its holder closed
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_the_places_of_one_engine_coexist(shm_dir: Path, iid: str) -> None:
+    kwargs: dict[str, Any] = {"num_workers": 2, "directory": shm_dir, "token": "engine-a"}
+    scheduler = SharedRegion(iid, 2, 8, role="scheduler", **kwargs)
+    workers = [SharedRegion(iid, 2, 8, worker_rank=r, role="worker", **kwargs) for r in (0, 1)]
+    try:
+        with pytest.raises(RegionClaimedError, match="the scheduler's place"):
+            SharedRegion(iid, 2, 8, role="scheduler", **kwargs)
+        with pytest.raises(RegionClaimedError, match="worker rank 1"):
+            SharedRegion(iid, 2, 8, worker_rank=1, role="worker", **kwargs)
+        unclaimed = SharedRegion(iid, 2, 8, worker_rank=1, **kwargs)  # no role: no claim
+        unclaimed.close()
+    finally:
+        for region in (*workers, scheduler):
+            region.close()
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_another_engines_token_is_refused(shm_dir: Path, iid: str) -> None:
+    with SharedRegion(iid, 2, 8, num_workers=2, directory=shm_dir, role="scheduler", token="a"):
+        with pytest.raises(RegionClaimedError) as caught:
+            SharedRegion(
+                iid, 2, 8, num_workers=2, worker_rank=1, directory=shm_dir, role="worker", token="b"
+            )
+        message = str(caught.value)
+        assert iid in message and f"process {os.getpid()}" in message
+        assert "in use by another cache or engine" in message
+        with SharedRegion(
+            iid, 2, 8, num_workers=2, worker_rank=1, directory=shm_dir, role="worker", token="a"
+        ) as joined:
+            assert not joined.is_creator
+
+
+@pytest.mark.parametrize("bad", [{"role": "owner"}, {"token": ""}, {"token": 7}])
+def test_bad_role_or_token_is_named(shm_dir: Path, iid: str, bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SharedRegion(iid, 2, 8, directory=shm_dir, **bad)
+    assert list(shm_dir.iterdir()) == []
+
+
+def _claimer(iid: str, directory: str, joined: Event, never: Event) -> None:
+    with SharedRegion(iid, 2, 8, directory=directory, role="worker") as region:
+        assert not region.is_creator
+        joined.set()
+        never.wait(WAIT_S)  # until killed (a killed waiter would hang a later set())
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigterm"])
+def test_a_dead_holders_place_is_free_and_leaves_no_file(shm_dir: Path, iid: str, how: str) -> None:
+    """A claim is a lock, not a file: a holder killed by SIGKILL or SIGTERM leaves nothing
+    behind, and its place can be taken again at once."""
+    creator = SharedRegion(iid, 2, 8, directory=shm_dir, role="scheduler")
+    joined, never = CTX.Event(), CTX.Event()
+    proc = CTX.Process(target=_claimer, args=(iid, str(shm_dir), joined, never))
+    proc.start()
+    try:
+        assert joined.wait(WAIT_S)
+        with pytest.raises(RegionClaimedError, match=f"process {os.getpid()}"):
+            SharedRegion(iid, 2, 8, directory=shm_dir, role="worker")  # the child holds it
+        os.kill(proc.pid or 0, signal.SIGKILL if how == "sigkill" else signal.SIGTERM)
+        proc.join(WAIT_S)
+        assert proc.exitcode is not None and proc.exitcode < 0
+        assert sorted(p.name for p in shm_dir.iterdir()) == sorted(
+            [creator.path.name, owner_path(creator.path).name]
+        )
+        with SharedRegion(iid, 2, 8, directory=shm_dir, role="worker") as taken:
+            assert not taken.is_creator
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        creator.close()
     assert list(shm_dir.iterdir()) == []
 
 

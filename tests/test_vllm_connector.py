@@ -602,3 +602,25 @@ def test_sync_loads_as_vllms_connector_makes_them() -> None:
         asynchronous = report_trace(h, prefix)
     assert any(recving for _, _, recving in asynchronous)
     assert len(traces[1]) < len(asynchronous)  # the step a sync load saves
+
+
+def test_a_second_engine_with_the_same_instance_id_is_refused() -> None:
+    """Two engines never share a CPU region by accident: a second engine configured with
+    the first one's ``instance_id`` is refused (its token differs) and the first one keeps
+    serving its own bytes."""
+    from kvtier_async.memory import RegionClaimedError
+
+    config = ours(instance_id=f"same-{random.getrandbits(48):x}")
+    prefix = random_tokens(random.Random(11), 100)
+    with vh.VllmHarness(num_gpu_blocks=40, **config) as h:
+        second = {"num_gpu_blocks": 40, **config}
+        with pytest.raises(RegionClaimedError) as caught, vh.VllmHarness(**second):
+            pass
+        assert repr(config["extra_config"]["instance_id"]) in str(caught.value)
+        h.add_request("first", [*prefix, 5], max_tokens=2)
+        h.run_until_done()
+        evict_gpu_prefix_cache(h)
+        h.add_request("again", [*prefix, 6], max_tokens=2)
+        h.run_until_done()  # the fake model checks every byte it loads
+        assert h.stats.external_hit_tokens == 96
+        h.assert_no_leaks()

@@ -607,7 +607,14 @@ def _check_keys(keys: object) -> None:
 def _open_region(cfg: CacheConfig) -> SharedRegion:
     """The CPU tier's region, pinned for DMA when CUDA is present (a no-op without; a failed
     registration is logged and copies use pageable memory)."""
-    region = SharedRegion(cfg.instance_id, cfg.num_slots, cfg.block_bytes, directory=cfg.region_dir)
+    region = SharedRegion(
+        cfg.instance_id,
+        cfg.num_slots,
+        cfg.block_bytes,
+        directory=cfg.region_dir,
+        role="worker",  # one cache per instance_id: a second live one is refused
+        token=secrets.token_hex(8),
+    )
     try:
         region.register_cuda()
     except BaseException:

@@ -2,6 +2,7 @@
 
 from kvtier_async.memory.region import (
     PAGE_SIZE,
+    RegionClaimedError,
     RegionError,
     RegionInUseError,
     RegionLayoutError,
@@ -15,6 +16,7 @@ from kvtier_async.memory.region import (
 
 __all__ = [
     "PAGE_SIZE",
+    "RegionClaimedError",
     "RegionError",
     "RegionInUseError",
     "RegionLayoutError",

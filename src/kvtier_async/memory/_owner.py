@@ -7,7 +7,9 @@ that survives pid reuse: its pid, its start time in clock ticks since boot (fiel
 22 of ``/proc/<pid>/stat``) and its pid namespace. It also stores the region
 file's inode, so a record is never mistaken for the owner of a later region that
 reuses the same name, and the region's layout, so that a worker started with a
-different configuration is refused with a clear message.
+different configuration is refused with a clear message. It may carry the creator's engine
+token (what the workers of one engine share, see `SharedRegion`), so a process of another
+engine that picked the same ``instance_id`` is refused instead of joining.
 
 The record is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600 (a symbolic
 link planted at its name is never followed), and read only if it is a regular file owned by
@@ -47,10 +49,17 @@ class OwnerRecord:
     num_slots: int
     num_workers: int
     row_bytes: int
+    token: str | None = None
 
     @classmethod
     def for_current_process(
-        cls, *, inode: int, num_slots: int, num_workers: int, row_bytes: int
+        cls,
+        *,
+        inode: int,
+        num_slots: int,
+        num_workers: int,
+        row_bytes: int,
+        token: str | None = None,
     ) -> OwnerRecord:
         """Describe the calling process as the creator of a region."""
         pid = os.getpid()
@@ -63,6 +72,7 @@ class OwnerRecord:
             num_slots=num_slots,
             num_workers=num_workers,
             row_bytes=row_bytes,
+            token=token,
         )
 
 
@@ -125,6 +135,7 @@ def read_owner_fd(fd: int) -> OwnerRecord | None:
             num_slots=int(raw["num_slots"]),
             num_workers=int(raw["num_workers"]),
             row_bytes=int(raw["row_bytes"]),
+            token=None if raw.get("token") is None else str(raw["token"]),
         )
     except (KeyError, TypeError, ValueError):
         return None

@@ -23,6 +23,19 @@ long as it maps it (the descriptor stays open until the mapping is gone; a forke
 shares it). So ``flock(LOCK_EX | LOCK_NB)`` succeeds only when no live process maps the
 file: the kernel drops a process's locks when it dies, ``kill -9`` included.
 
+*One owner.* A handle made with a ``role`` (every product face makes one: the cache of
+:class:`~kvtier_async.TieredKVCache` as worker 0, a vLLM worker as its rank, vLLM's
+scheduler as ``"scheduler"``) claims its place in the region with an open-file-description
+write lock (``F_OFD_SETLK``) on one byte of the region file: byte 0 for the scheduler,
+``1 + rank`` for a worker. The lock lives on the descriptor the mapping keeps, so it is
+held exactly as long as the mapping and dropped by the kernel when the process dies
+(``kill -9`` and ``SIGTERM`` included): nothing is left on disk. A second handle for a
+place already held, in this process or another, is refused with
+:class:`RegionClaimedError` naming the ``instance_id`` and the creator's pid. A handle with a
+``token`` (the engine's: vLLM's ``engine_id``; a random one per cache) also refuses a region
+whose creator recorded another token: another engine that picked the same ``instance_id``.
+Without a role (benchmarks, tests of the mapping itself) nothing is claimed.
+
 *Reclaim.* A handle that finds the region of a creator that is provably dead (its owner
 record names this file, and its process is gone: see :func:`._owner.is_alive`) removes it
 and races to create it anew, but only when no live process maps it: reclaimers serialise
@@ -75,12 +88,13 @@ import operator
 import os
 import re
 import stat
+import struct
 import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -100,6 +114,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "RegionClaimedError",
     "RegionError",
     "RegionInUseError",
     "RegionLayoutError",
@@ -123,6 +138,9 @@ _OWNER_SUFFIX: Final = ".owner"
 _POLL_MAX_S: Final = 0.05
 _NOFOLLOW: Final = os.O_NOFOLLOW | os.O_CLOEXEC
 _sleep: Callable[[float], None] = time.sleep  # the size poll's wait; tests replace it
+# ``F_OFD_SETLK`` is 37 on Linux; Python exports it from 3.9 (on Linux only).
+_OFD_SETLK: Final[int] = getattr(fcntl, "F_OFD_SETLK", 37)
+Role = Literal["worker", "scheduler"]
 
 
 class RegionError(RuntimeError):
@@ -136,6 +154,11 @@ class RegionLayoutError(RegionError):
 class StaleRegionError(RegionError):
     """An existing region file belongs to a creator that is no longer running, and another
     live process still maps it, so it cannot be reclaimed."""
+
+
+class RegionClaimedError(RegionError):
+    """Another live handle already holds this place in the region (same ``instance_id``,
+    same role and rank), or the region belongs to another engine (another token)."""
 
 
 class RegionInUseError(RegionError, BufferError):
@@ -158,6 +181,11 @@ class SharedRegion:
         worker_rank: This worker, ``0 <= worker_rank < num_workers``.
         directory: Where the file lives; ``/dev/shm`` keeps it in RAM.
         wait_timeout_s: How long a non-creator waits for the creator to size the file.
+        role: Claim this handle's place, ``"worker"`` (at ``worker_rank``) or
+            ``"scheduler"``, for as long as it maps the region (see *One owner* in the
+            module docstring); None claims nothing.
+        token: What every handle of one engine shares; a region created with another
+            token is refused. None checks nothing.
 
     Raises:
         ValueError: An argument is invalid (the message names it).
@@ -167,6 +195,8 @@ class SharedRegion:
         RegionError: The creator removed the file before sizing it, prefaulting failed, or
             the file is not this user's private regular file (a symbolic link, another
             owner, a mode wider than 0600).
+        RegionClaimedError: The place ``role`` names is held by another live handle, or
+            the region was created with another ``token``.
         OSError: The directory lacks space or permissions.
     """
 
@@ -180,8 +210,16 @@ class SharedRegion:
         worker_rank: int = 0,
         directory: str | os.PathLike[str] = "/dev/shm",
         wait_timeout_s: float = 30.0,
+        role: Role | None = None,
+        token: str | None = None,
     ) -> None:
         self._instance_id = _check_instance_id(instance_id)
+        if role not in (None, "worker", "scheduler"):
+            raise ValueError(f"role must be 'worker', 'scheduler' or None, got {role!r}")
+        if token is not None and (not isinstance(token, str) or not token):
+            raise ValueError(f"token must be a non-empty string or None, got {token!r}")
+        self._role = role
+        self._token = token
         self._num_slots = _check_int("num_slots", num_slots, low=1)
         self._slot_bytes = _check_int("slot_bytes", slot_bytes, low=1)
         self._num_workers = _check_int("num_workers", num_workers, low=1)
@@ -195,6 +233,7 @@ class SharedRegion:
         self._pid = os.getpid()  # a forked child inherits the handle, not the ownership
         fd, self._creator = self._acquire(deadline)
         try:
+            self._claim(fd)
             self._mm: mmap.mmap | None = self._map(fd)
         except BaseException:
             if self._creator:
@@ -442,6 +481,7 @@ class SharedRegion:
             num_slots=self._num_slots,
             num_workers=self._num_workers,
             row_bytes=self._row_bytes,
+            token=self._token,
         )
         write_owner(self._owner_path(), record)  # before sizing: joiners see it
         os.ftruncate(fd, self._size)
@@ -477,7 +517,31 @@ class SharedRegion:
                     f"{self._path} has layout (num_slots, num_workers, row_bytes)={theirs}, "
                     f"this worker expects {ours}"
                 )
+            if None not in (owner.token, self._token) and owner.token != self._token:
+                raise RegionClaimedError(
+                    f"instance_id {self._instance_id!r} is in use by another cache or engine: "
+                    f"process {owner.pid} created {self._path} for it; pick another "
+                    "instance_id (each cache or engine needs its own)"
+                )
         return _lock(fd, fcntl.LOCK_SH) and _still_linked(fd, self._path)
+
+    def _claim(self, fd: int) -> None:
+        """Take this handle's place in the region (see *One owner*), or refuse."""
+        if self._role is None:
+            return
+        offset = 0 if self._role == "scheduler" else 1 + self._rank
+        if _claim_byte(fd, offset):
+            return
+        owner = self._owner()
+        place = (
+            "the scheduler's place" if self._role == "scheduler" else f"worker rank {self._rank}"
+        )
+        created = f"process {owner.pid}" if owner is not None else "a process with no owner record"
+        raise RegionClaimedError(
+            f"instance_id {self._instance_id!r} is in use: {place} in {self._path} is held by "
+            f"another live cache or engine ({created} created the region); close it, or pick "
+            "another instance_id (each cache or engine needs its own)"
+        )
 
     def _owner(self) -> OwnerRecord | None:
         """The owner record of this region file, None if there is none (or another's)."""
@@ -691,6 +755,22 @@ def _lock(fd: int, operation: int) -> bool:
         fcntl.flock(fd, operation | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
+    return True
+
+
+def _claim_byte(fd: int, offset: int) -> bool:
+    """An open-file-description write lock on byte ``offset`` of the file open at ``fd``;
+    False if another open file description holds it. Held until the last descriptor of this
+    description closes (so by a child forked with it too), dropped when the process dies."""
+    # struct flock on 64-bit Linux: short l_type, l_whence; off_t l_start, l_len; pid_t l_pid
+    # (0 for OFD locks); padded to 32 bytes.
+    request = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0)
+    try:
+        fcntl.fcntl(fd, _OFD_SETLK, request)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
     return True
 
 

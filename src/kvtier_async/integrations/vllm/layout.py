@@ -42,6 +42,9 @@ class OffloadLayout:
     kv_layout: str
     tp_size: int
     pp_size: int
+    # What the scheduler and every worker of one engine share (vLLM's engine_id), so a
+    # region of another engine with the same instance_id is refused; None checks nothing.
+    token: str | None = None
 
     @property
     def chunk_tokens(self) -> int:
@@ -92,7 +95,13 @@ class OffloadLayout:
             "vllm-canonical",
             int(parallel.tensor_parallel_size),
             int(parallel.pipeline_parallel_size),
+            token=_engine_token(transfer),
         )
+
+
+def _engine_token(transfer: Any) -> str | None:
+    engine_id = getattr(transfer, "engine_id", None)
+    return str(engine_id) if engine_id else None
 
 
 def _factor(block_size: int | None, gpu_block_size: int) -> int:

@@ -209,6 +209,8 @@ class ConnectorScheduler:
             worker_rank=0,
             directory=self.config.region_dir,
             wait_timeout_s=self.config.wait_timeout_s,
+            role="scheduler",  # a place taken twice (another engine, the same id) is refused
+            token=layout.token,
         )
         rows = self._region.rows.cast("B")
         span = layout.row_bytes * layout.num_workers

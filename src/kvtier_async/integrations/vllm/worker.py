@@ -91,6 +91,8 @@ class ConnectorWorker:
             worker_rank=layout.rank,
             directory=self.config.region_dir,
             wait_timeout_s=self.config.wait_timeout_s,
+            role="worker",  # a place taken twice (another engine, the same id) is refused
+            token=layout.token,
         )
         if kv.device.type == "cuda":
             self._region.register_cuda()
