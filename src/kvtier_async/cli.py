@@ -379,7 +379,9 @@ def _inspect_args(args: argparse.Namespace) -> int:
         if checked is not None:
             print()
             print(render.verification_text(checked, repair=args.repair))
-    problems = checked is not None and (not checked.repaired or bool(checked.errors))
+    problems = checked is not None and (
+        not checked.repaired or bool(checked.errors) or bool(checked.disagree)
+    )
     return 1 if problems else 0
 
 

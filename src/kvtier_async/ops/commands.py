@@ -65,9 +65,16 @@ def inspect(
     if not verify:
         return root, None
     checked = fsroot.verify(location, root, jobs=jobs, progress=_start(progress, root))
-    if repair and checked.damaged:
+    if repair and checked.damaged and not _refuse_repair(checked):
         checked.removed, checked.kept = fsroot.repair(location, checked.damaged)
     return root, checked
+
+
+def _refuse_repair(checked: Verification) -> bool:
+    """Whether ``--repair`` must delete nothing: blocks sound by their own headers
+    contradict ``config.json``, so its verdicts on the rest cannot be trusted either."""
+    checked.repair_refused = bool(checked.disagree)
+    return checked.repair_refused
 
 
 async def _inspect_s3(
@@ -78,7 +85,7 @@ async def _inspect_s3(
         if not verify:
             return root, None
         checked = await bucket.verify(root, progress=_start(progress, root))
-        if repair and checked.damaged:
+        if repair and checked.damaged and not _refuse_repair(checked):
             checked.removed, checked.kept = await bucket.repair(checked.damaged)
         return root, checked
 

@@ -6,8 +6,10 @@ run. A file or directory that disappears between the walk and its use is skipped
 ``vanished``), never an error; a file published after the walk is not seen. Nothing here
 writes a block. A deletion is of a block file only, never of a named temporary that a live
 writer may still publish, and a damaged block is deleted only if it is still the file that
-was read (`kvtier_async.tiers.fs.blockio.discard`: a peer may have published a good copy
-since); a symbolic link is unlinked, never followed. The instance's own ``max_bytes`` record
+was read (a peer may have published a good copy since); a symbolic link is unlinked, never
+followed. Walks and deletions go through directory descriptors (`kvtier_async._beneath`): a
+link below the root is listed, never entered, and a directory swapped for one while a
+command runs cannot redirect a deletion outside the root. The instance's own ``max_bytes`` record
 does not hear of blocks deleted here: it counts them until it touches them again.
 
 *Walk.* `walk` records every entry below the root (`layout.Root.add`): regular ``.bin``
@@ -36,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from kvtier_async import _beneath as beneath
 from kvtier_async._safefile import SAFE_READ_FLAGS, read_json
 from kvtier_async.ops.layout import (
     CONFIG_NAME,
@@ -51,9 +54,8 @@ from kvtier_async.ops.layout import (
     pick_namespace,
     too_large,
 )
-from kvtier_async.ops.results import Damage, GcPlan, GcResult, Verification
+from kvtier_async.ops.results import Damage, Disagreement, GcPlan, GcResult, Verification
 from kvtier_async.tiers.blockfile import CorruptBlockError, block_key
-from kvtier_async.tiers.fs.blockio import discard, unlink_all
 from kvtier_async.tiers.fs.records import scan
 from kvtier_async.tiers.fs.tempfiles import TEMP_RE, identity, process_start
 
@@ -96,22 +98,9 @@ def walk(path: str) -> Root:
 
 def _entries(top: str, relative: str) -> Iterator[tuple[str, os.stat_result]]:
     """``(relative path, lstat)`` of every non-directory below ``top/relative``, depth
-    first; what vanishes on the way is skipped."""
-    try:
-        with os.scandir(os.path.join(top, relative) if relative else top) as it:
-            entries = list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    for entry in sorted(entries, key=lambda e: e.name):
-        relpath = f"{relative}/{entry.name}" if relative else entry.name
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISDIR(st.st_mode):
-            yield from _entries(top, relpath)
-        else:
-            yield relpath, st
+    first, through directory descriptors: a link below the root is listed, never entered
+    (`kvtier_async._beneath.walk`); what vanishes on the way is skipped."""
+    return beneath.walk(top, relative)
 
 
 def _read_config(top: str, ns: Namespace) -> None:
@@ -209,9 +198,10 @@ def _verify_worker(top: str, shared: _Shared) -> None:
 
 def _verify_one(
     top: str, ns: Namespace, block: Block, buffer: bytearray
-) -> tuple[Damage | str | None, int, bytearray]:
+) -> tuple[Damage | Disagreement | str | None, int, bytearray]:
     """``(outcome, bytes read, buffer)``: outcome None (good), ``"vanished"``, an error
-    text (could not be read: not judged), or a `Damage`."""
+    text (could not be read: not judged), a `Damage`, or a `Disagreement` (sound by its
+    own header, not what ``config.json`` says)."""
     key = block_key(block.relpath)
     if key is None:
         return (
@@ -240,11 +230,13 @@ def _verify_one(
         view = memoryview(buffer)
         got = _read_all(fd, view[: st.st_size])
         try:
-            check_block(view[:got], key, ns.block_bytes)
+            claimed = check_block(view[:got], key, ns.block_bytes)
         except CorruptBlockError as exc:
             return Damage(block.relpath, str(exc), (st.st_dev, st.st_ino)), got, buffer
         finally:
             view.release()
+        if claimed is not None and ns.block_bytes is not None:
+            return Disagreement(block.relpath, claimed, ns.block_bytes), got, buffer
         return None, got, buffer
     except OSError as exc:
         return f"{block.relpath}: {_problem(exc)}", 0, buffer
@@ -264,17 +256,29 @@ def _read_all(fd: int, view: memoryview) -> int:
 
 def repair(path: str, damaged: Sequence[Damage]) -> tuple[list[Damage], list[Damage]]:
     """Delete each damaged file under ``path`` if it is still the file that was judged (a
-    link: unlinked, never followed); ``(removed, kept)``."""
+    link: unlinked, never followed; reached through directory descriptors, see
+    `kvtier_async._beneath`); ``(removed, kept)``."""
     removed, kept = [], []
     for damage in damaged:
-        target = os.path.join(path, damage.relpath)
-        if discard(target, damage.identity):
+        if beneath.discard(path, os.path.join(path, damage.relpath), damage.identity):
             removed.append(damage)
-        elif os.path.lexists(target):  # replaced by a peer since, or not ours to delete
+        elif _still_there(path, damage.relpath):  # replaced since, or not ours to delete
             kept.append(damage)
         else:
             removed.append(damage)  # gone already: no damage left
     return removed, kept
+
+
+def _still_there(path: str, relpath: str) -> bool:
+    parent, _, name = relpath.rpartition("/")
+    return any(entry == name for entry, _ in _listing(path, parent))
+
+
+def _listing(path: str, relative: str) -> list[tuple[str, os.stat_result]]:
+    try:
+        return beneath.entries(path, relative)
+    except (FileNotFoundError, beneath.LinkBelowRootError):
+        return []
 
 
 # -- gc --------------------------------------------------------------------------------------
@@ -289,11 +293,14 @@ def gc_plan(path: str, max_bytes: int, namespace: str | None = None) -> GcPlan:
         names = [pick_namespace(path, names, namespace)]
     blocks: list[Block] = []
     temps: list[Temp] = []
+    links: list[str] = []
     for name in names:
-        found, leftovers = _scan_namespace(path, name)
+        found, leftovers, skipped = _scan_namespace(path, name)
         blocks += found
         temps += leftovers
+        links += skipped
     plan = GcPlan(path, max_bytes, names if namespace is not None else None)
+    plan.links = links
     plan.blocks, plan.bytes = len(blocks), sum(b.size for b in blocks)
     plan.victims = lru_victims(blocks, max_bytes)
     plan.temps = [temp for temp in temps if temp.writer == "dead"]
@@ -302,27 +309,24 @@ def gc_plan(path: str, max_bytes: int, namespace: str | None = None) -> GcPlan:
 
 
 def _namespace_names(path: str) -> list[str]:
-    with os.scandir(path) as it:
-        return sorted(
-            e.name for e in it if NAMESPACE_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
-        )
+    return [
+        name
+        for name, st in _listing(path, "")
+        if NAMESPACE_RE.fullmatch(name) and stat.S_ISDIR(st.st_mode)
+    ]
 
 
-def _scan_namespace(path: str, name: str) -> tuple[list[Block], list[Temp]]:
+def _scan_namespace(path: str, name: str) -> tuple[list[Block], list[Temp], list[str]]:
     """The blocks and temporaries of namespace ``name``, scanned as the tier scans its rank
-    directory at open (`records.scan`)."""
-    ns_dir = os.path.join(path, name)
-    try:
-        with os.scandir(ns_dir) as it:
-            ranks = sorted(
-                e.name for e in it if RANK_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
-            )
-    except FileNotFoundError:
-        return [], []
+    directory at open (`records.scan`), and the links found where rank directories go
+    (listed, never entered)."""
+    listed = _listing(path, name)
+    ranks = [n for n, st in listed if RANK_RE.fullmatch(n) and stat.S_ISDIR(st.st_mode)]
+    links = [f"{name}/{n}" for n, st in listed if RANK_RE.fullmatch(n) and stat.S_ISLNK(st.st_mode)]
     blocks: list[Block] = []
     temp_paths: set[str] = set()
     for rank_name in ranks or ["r0"]:  # no rank directory: the namespace's temporaries
-        found, temps = scan(ns_dir, os.path.join(ns_dir, rank_name), want_blocks=True)
+        found, temps = scan(path, name, rank_name, want_blocks=True)
         rank = int(rank_name[1:])
         for mtime_ns, block_path, size in found:
             blocks.append(Block(os.path.relpath(block_path, path), rank, size, mtime_ns))
@@ -333,26 +337,27 @@ def _scan_namespace(path: str, name: str) -> tuple[list[Block], list[Temp]]:
             size = os.lstat(temp_path).st_size
             relpath = os.path.relpath(temp_path, path)
             temps_found.append(Temp(relpath, size, temp_writer(os.path.basename(temp_path))))
-    return blocks, temps_found
+    return blocks, temps_found, links
 
 
 def gc_apply(plan: GcPlan) -> GcResult:
     """Delete what ``plan`` lists: its blocks, oldest first, and the temporaries of dead
-    writers (judged again just before)."""
+    writers (judged again just before), each reached through directory descriptors (a
+    directory swapped for a link since the plan: not followed, the file left)."""
     result = GcResult(plan)
     for block in plan.victims:
-        target = os.path.join(plan.location, block.relpath)
         try:
-            os.unlink(target)
-        except FileNotFoundError:
-            result.vanished += 1
+            gone = beneath.unlink(plan.location, block.relpath)
         except OSError as exc:
             result.failed.append(f"{block.relpath}: {_problem(exc)}")
-        else:
+            continue
+        if gone:
             result.deleted.append(block)
+        else:
+            result.vanished += 1
     dead = [t for t in plan.temps if temp_writer(os.path.basename(t.relpath)) == "dead"]
-    gone = set(unlink_all([os.path.join(plan.location, t.relpath) for t in dead]))
-    result.temps_removed = [t for t in dead if os.path.join(plan.location, t.relpath) in gone]
+    result.temps_removed = [t for t in dead if beneath.discard(plan.location,
+                            os.path.join(plan.location, t.relpath))]  # fmt: skip
     return result
 
 

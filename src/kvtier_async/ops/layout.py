@@ -13,7 +13,9 @@ gives, in the order the tiers' readers check (the length first, then
 bytes``, ``header checksum mismatch``... The payload length is the namespace's
 ``block_bytes`` (``config.json``) where known; otherwise the header's own claim if the
 header's checksum holds (a bucket the obj tier filled has no ``config.json``), else the
-file's size.
+file's size. A block sound by its own header whose length ``config.json`` contradicts is
+never called damaged: the verdict is that ``config.json`` disagrees, and ``--repair`` then
+deletes nothing (a wrong ``config.json`` must not cost every good block).
 
 *Eviction order.* `lru_victims` is the fs tier's ``max_bytes`` GC applied to a list: the
 tier's own access record (`kvtier_async.tiers.fs.records.Usage`) seeded in modification order,
@@ -221,9 +223,27 @@ def pick_namespace(location: str, names: Sequence[str], wanted: str) -> str:
 # -- verdicts --------------------------------------------------------------------------------
 
 
-def check_block(data: memoryview, key: bytes, block_bytes: int | None) -> None:
-    """Raise `CorruptBlockError` unless ``data`` (a whole file or object) is ``key``'s block
-    with a payload of ``block_bytes`` (None: see the module docstring)."""
+def check_block(data: memoryview, key: bytes, block_bytes: int | None) -> int | None:
+    """Raise `CorruptBlockError` unless ``data`` (a whole file or object) is ``key``'s block.
+
+    It is judged with a payload of ``block_bytes`` first, as the tier reads it (None: see
+    the module docstring). A block that fails only that, being sound by its own header (its
+    checksums hold for the payload length it claims), is no damage: ``config.json``
+    disagrees with it, and its own payload length is returned. None when it is good."""
+    try:
+        _judge(data, key, block_bytes)
+    except CorruptBlockError as exc:
+        if block_bytes is None:
+            raise
+        try:
+            _judge(data, key, None)
+        except CorruptBlockError:
+            raise exc from None
+        return _claimed_payload(data)
+    return None
+
+
+def _judge(data: memoryview, key: bytes, block_bytes: int | None) -> None:
     size = data.nbytes
     payload = block_bytes if block_bytes is not None else _claimed_payload(data)
     expected = HEADER_BYTES + payload

@@ -184,14 +184,27 @@ def verification_text(result: Verification, *, repair: bool) -> str:
     lines = [
         f"verify: {result.checked} of {result.total} blocks checked, {result.good} good, "
         f"{len(result.damaged)} damaged, {result.vanished} vanished, "
-        f"{len(result.errors)} unreadable; {format_size(result.bytes_read)} in "
+        f"{len(result.errors)} unreadable"
+        + (f", {len(result.disagree)} disagree with config.json" if result.disagree else "")
+        + f"; {format_size(result.bytes_read)} in "
         f"{result.seconds:.1f} s ({rate / 1e6:.1f} MB/s)"
     ]
     for damage in result.damaged:
         lines.append(f"damaged: {damage.relpath}: {damage.reason}")
     for error in result.errors:
         lines.append(f"unreadable: {error}")
-    if repair:
+    for odd in result.disagree:
+        lines.append(
+            f"disagrees with config.json: {odd.relpath}: sound by its own header, a payload "
+            f"of {odd.payload} bytes where config.json says block_bytes={odd.configured}"
+        )
+    if result.repair_refused:
+        lines.append(
+            f"repair refused, nothing deleted: {len(result.disagree)} sound blocks contradict "
+            "config.json, so it cannot judge the rest; check config.json (or move the blocks "
+            "that do not belong), then run --repair again"
+        )
+    elif repair:
         lines.append(
             f"repair: {len(result.removed)} damaged blocks deleted"
             + (f", {len(result.kept)} could not be" if result.kept else "")
@@ -216,7 +229,12 @@ def verification_json(result: Verification, *, repair: bool) -> dict[str, Any]:
             for d in result.damaged
         ],
         "unreadable": result.errors,
+        "disagree_with_config": [
+            {"path": d.relpath, "payload_bytes": d.payload, "config_block_bytes": d.configured}
+            for d in result.disagree
+        ],
         "repair": repair,
+        "repair_refused": result.repair_refused,
     }
 
 
@@ -314,6 +332,8 @@ def gc_text(plan: GcPlan, result: GcResult | None) -> str:
         lines += [f"  {t.relpath}" for t in temps]
     if plan.live_temps:
         lines.append(f"left alone: {plan.live_temps} temporary files of live or other-host writers")
+    lines += [f"not entered (a symbolic link where a rank directory goes): {link}"
+              for link in plan.links]  # fmt: skip
     if result is not None:
         if result.vanished:
             lines.append(f"{result.vanished} blocks had gone already")
@@ -337,6 +357,7 @@ def gc_json(plan: GcPlan, result: GcResult | None) -> dict[str, Any]:
         "freed_bytes": sum(b.size for b in blocks),
         "temp_files": [t.relpath for t in temps],
         "temp_files_left": plan.live_temps,
+        "links_not_entered": plan.links,
         "vanished": 0 if result is None else result.vanished,
         "failed": [] if result is None else result.failed,
     }

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from kvtier_async.ops.layout import Block, Temp
 
-__all__ = ["Damage", "GcPlan", "GcResult", "Verification"]
+__all__ = ["Damage", "Disagreement", "GcPlan", "GcResult", "Verification"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,16 @@ class Damage:
     relpath: str
     reason: str
     identity: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """A block sound by its own header whose payload length (``payload``) is not the
+    ``block_bytes`` its namespace's ``config.json`` gives (``configured``): not damage."""
+
+    relpath: str
+    payload: int
+    configured: int
 
 
 @dataclass
@@ -37,11 +47,16 @@ class Verification:
     seconds: float = 0.0
     damaged: list[Damage] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    disagree: list[Disagreement] = field(default_factory=list)  # config.json contradicts
     removed: list[Damage] = field(default_factory=list)  # by --repair
     kept: list[Damage] = field(default_factory=list)  # --repair could not delete them
+    repair_refused: bool = False  # --repair deleted nothing: config.json disagrees
 
-    def record(self, relpath: str, outcome: Damage | str | None, nbytes: int) -> None:
-        """One block's outcome: None (good), ``"vanished"``, an error text, or a `Damage`."""
+    def record(
+        self, relpath: str, outcome: Damage | Disagreement | str | None, nbytes: int
+    ) -> None:
+        """One block's outcome: None (good), ``"vanished"``, an error text, a `Damage` or a
+        `Disagreement`."""
         self.checked += 1
         self.bytes_read += nbytes
         if outcome is None:
@@ -50,6 +65,8 @@ class Verification:
             self.vanished += 1
         elif isinstance(outcome, Damage):
             self.damaged.append(outcome)
+        elif isinstance(outcome, Disagreement):
+            self.disagree.append(outcome)
         else:
             self.errors.append(outcome)
 
@@ -63,7 +80,8 @@ class Verification:
 class GcPlan:
     """What a GC deletes: ``victims`` (oldest first) of ``blocks`` blocks of ``bytes``
     under ``location`` (of ``namespaces``, or all), and the temporaries of dead writers
-    (``live_temps``: those it leaves)."""
+    (``live_temps``: those it leaves); ``links``: links found where rank directories go,
+    never entered."""
 
     location: str
     max_bytes: int
@@ -73,6 +91,7 @@ class GcPlan:
     victims: list[Block] = field(default_factory=list)
     temps: list[Temp] = field(default_factory=list)
     live_temps: int = 0
+    links: list[str] = field(default_factory=list)
 
     @property
     def freed(self) -> int:

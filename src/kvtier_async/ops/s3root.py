@@ -46,7 +46,7 @@ from kvtier_async.ops.layout import (
     pick_namespace,
     too_large,
 )
-from kvtier_async.ops.results import Damage, GcPlan, GcResult, Verification
+from kvtier_async.ops.results import Damage, Disagreement, GcPlan, GcResult, Verification
 from kvtier_async.tiers.blockfile import CorruptBlockError, block_key
 from kvtier_async.tiers.s3.breaker import (
     DEFAULT_BREAKER_OPEN_S,
@@ -299,7 +299,7 @@ class Bucket:
 
     async def _verify_one(
         self, ns: Namespace, relpath: str, size: int
-    ) -> tuple[Damage | str | None, int]:
+    ) -> tuple[Damage | Disagreement | str | None, int]:
         key = block_key(relpath)
         if key is None:
             return Damage(
@@ -317,9 +317,11 @@ class Bucket:
                 return "vanished", 0
             return f"{relpath}: {self.requests.describe(exc)}", 0
         try:
-            check_block(data, key, ns.block_bytes)
+            claimed = check_block(data, key, ns.block_bytes)
         except CorruptBlockError as exc:
             return Damage(relpath, str(exc)), data.nbytes
+        if claimed is not None and ns.block_bytes is not None:
+            return Disagreement(relpath, claimed, ns.block_bytes), data.nbytes
         return None, data.nbytes
 
     # -- deleting --------------------------------------------------------------------------

@@ -40,7 +40,6 @@ __all__ = [
     "address",
     "aligned",
     "anchored_address",
-    "discard",
     "header_page",
     "identity_of",
     "is_aligned",
@@ -168,23 +167,6 @@ def identity_of(fd: int) -> tuple[int, int] | None:
     except OSError:
         return None
     return opened.st_dev, opened.st_ino
-
-
-def discard(path: str, identity: tuple[int, int] | None) -> bool:
-    """Delete ``path`` (a link itself, never its target); with ``identity`` (device,
-    inode), only if it still is the file that was read (a peer may have published a good
-    one since). True if deleted."""
-    try:
-        current = os.lstat(path)
-        if identity is not None and identity != (current.st_dev, current.st_ino):
-            return False
-        if stat.S_ISDIR(current.st_mode):
-            os.rmdir(path)
-        else:
-            os.unlink(path)
-    except OSError:
-        return False
-    return True
 
 
 def unlink_all(paths: Sequence[str]) -> list[str]:

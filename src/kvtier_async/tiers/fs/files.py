@@ -13,6 +13,12 @@ wrong size, a bad header or a checksum mismatch the key fails and its file is de
 link is never followed, only unlinked. A missing file is a plain miss. Lookups ``lstat``:
 a link is no block.
 
+*Deleting.* Every file the tier deletes on its own (a damaged block, a ``max_bytes``
+victim, a dead writer's temporary) is reached through the descriptors of its parent
+directories, never through a link below the root (`kvtier_async._beneath`), and the open
+scan never enters one: a rank or fan-out directory swapped for a link to elsewhere cannot
+make the tier delete outside its root.
+
 *Two paths, one outcome.* When the C helper could be built and files are published by rename,
 a batch goes to it (`kvtier_async.tiers.fs.native_batch`), spread over its worker threads;
 otherwise the Python path (`kvtier_async.tiers.fs.blockio`) runs the same steps block by block.
@@ -38,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from kvtier_async._beneath import discard, unlink_all
 from kvtier_async._log import RateLimited, get_logger
 from kvtier_async._safefile import SAFE_READ_FLAGS
 from kvtier_async.tiers._checksum import CHECKSUM_NAME
@@ -51,14 +58,12 @@ from kvtier_async.tiers.blockfile import (
 from kvtier_async.tiers.fs import native
 from kvtier_async.tiers.fs.blockio import (
     O_DIRECT,
-    discard,
     header_page,
     identity_of,
     is_aligned,
     open_file,
     open_problem,
     read_block,
-    unlink_all,
     write_all,
 )
 from kvtier_async.tiers.fs.native import FsIo, Workers
@@ -69,6 +74,7 @@ from kvtier_async.tiers.fs.publish import (
     Directories,
     IoMode,
     Perms,
+    check_own_dirs,
     create_file,
     make_dirs,
     narrow_dir,
@@ -175,15 +181,17 @@ class BlockFiles:
         ns_dir = os.path.join(root, ctx.namespace)
         rank_dir = os.path.join(ns_dir, f"r{ctx.rank}")
         make_dirs(rank_dir, perms)
+        check_own_dirs(root, f"{ctx.namespace}/r{ctx.rank}")  # no link: refused
         narrow_dir(ns_dir, perms)
         write_config(ns_dir, ctx, perms)
         mode = probe(rank_dir, perms)
-        blocks, temps = scan(ns_dir, rank_dir, want_blocks=max_bytes is not None)
-        remove_dead_temps(temps)
+        found = scan(root, ctx.namespace, f"r{ctx.rank}", want_blocks=max_bytes is not None)
+        blocks, temps = found
+        remove_dead_temps(root, temps)
         usage = None if max_bytes is None else Usage(max_bytes)
         if usage is not None:
             usage.seed(blocks)
-            reports.removed.add_paths(unlink_all(usage.trim()), REMOVED_EVICTED)
+            reports.removed.add_paths(unlink_all(root, usage.trim()), REMOVED_EVICTED)
         return cls(name, root, ctx, mode, fsync, usage, workers, perms, reports)
 
     def describe(self) -> str:
@@ -286,7 +294,7 @@ class BlockFiles:
         wrong_size = stat.S_ISREG(st.st_mode) and st.st_size != self.file_bytes
         if wrong_size or stat.S_ISLNK(st.st_mode):
             self.warn("fs block file has the wrong size or is a link, deleting it", path=path)
-            if unlink_all([path]):
+            if discard(self.root, path):
                 self.removed.add(key, REMOVED_DAMAGED)
             return False
         return stat.S_ISREG(st.st_mode)
@@ -370,7 +378,7 @@ class BlockFiles:
     ) -> None:
         self.warn("fs block unreadable, deleting it", tier=self.name, path=path, error=str(exc))
         self.forget(path)
-        if discard(path, identity):
+        if discard(self.root, path, identity):
             self.removed.add(key, REMOVED_DAMAGED)
 
     def refuse_load(self, key: bytes, exc: Exception) -> None:
@@ -387,4 +395,4 @@ class BlockFiles:
             self.usage.forget(path)
 
     def evict(self, victims: Sequence[str]) -> None:
-        self.removed.add_paths(unlink_all(victims), REMOVED_EVICTED)
+        self.removed.add_paths(unlink_all(self.root, victims), REMOVED_EVICTED)

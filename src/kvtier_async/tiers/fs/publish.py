@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from kvtier_async._beneath import LinkBelowRootError, opened_dir
 from kvtier_async._log import get_logger
 from kvtier_async._safefile import read_json
 from kvtier_async.tiers.base import TierContext
@@ -60,6 +61,7 @@ __all__ = [
     "IoMode",
     "Perms",
     "UntrustedRootError",
+    "check_own_dirs",
     "create_file",
     "make_dirs",
     "memory_fs",
@@ -395,7 +397,22 @@ CONFIG_MAX_DEPTH: Final = 8  # a flat object
 
 
 class UntrustedRootError(ValueError):
-    """A tier root holds metadata we did not write (see `_check_config`)."""
+    """A tier root holds metadata we did not write (see `_check_config`), or a link where
+    its namespace or rank directory goes (see `check_own_dirs`)."""
+
+
+def check_own_dirs(root: str, relative: str) -> None:
+    """Refuse the root unless every component of ``relative`` (the namespace and rank
+    directories) is a directory, not a link: a link there would send stores, loads and
+    deletions outside the root."""
+    try:
+        with opened_dir(root, relative):
+            pass
+    except LinkBelowRootError as exc:
+        raise UntrustedRootError(
+            f"fs tier: {exc.strerror}: a link where the tier's own directory goes; remove it "
+            "or use another root_dir"
+        ) from None
 
 
 def write_config(ns_dir: str, ctx: TierContext, perms: Perms) -> None:

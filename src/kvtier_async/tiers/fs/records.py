@@ -26,13 +26,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import os
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Final
 
+from kvtier_async._beneath import LinkBelowRootError, entries, walk
 from kvtier_async.tiers.blockfile import block_key
 from kvtier_async.tiers.fs.tempfiles import TEMP_RE
 
@@ -152,24 +152,23 @@ class Usage:
 
 
 def scan(
-    ns_dir: str, rank_dir: str, *, want_blocks: bool
+    root: str, namespace: str, rank_name: str, *, want_blocks: bool
 ) -> tuple[list[tuple[int, str, int]], list[str]]:
-    """Block files ``(mtime_ns, path, size)`` (if wanted) and temporaries, in one walk."""
-    temps = [entry.path for entry in _scandir(ns_dir) if TEMP_RE.fullmatch(entry.name)]
+    """Block files ``(mtime_ns, path, size)`` (if wanted) and temporaries of the rank
+    directory ``root/namespace/rank_name`` (the namespace's own temporaries too), in one
+    walk through directory descriptors (`kvtier_async._beneath`): a link below ``root`` is
+    never entered, so nothing outside the root is ever counted (or later deleted)."""
+    temps = []
+    with contextlib.suppress(FileNotFoundError, LinkBelowRootError):
+        for name, st in entries(root, namespace):
+            if TEMP_RE.fullmatch(name) and not stat.S_ISDIR(st.st_mode):
+                temps.append(f"{root}/{namespace}/{name}")
     blocks = []
-    for directory, _dirs, names in os.walk(rank_dir):
-        for name in names:
-            path = os.path.join(directory, name)
-            if TEMP_RE.fullmatch(name):
-                temps.append(path)
-            elif want_blocks and name.endswith(".bin"):
-                with contextlib.suppress(FileNotFoundError):
-                    st = os.lstat(path)
-                    if stat.S_ISREG(st.st_mode):
-                        blocks.append((st.st_mtime_ns, path, st.st_size))
+    for relpath, st in walk(root, f"{namespace}/{rank_name}"):
+        name = relpath.rpartition("/")[2]
+        path = f"{root}/{relpath}"
+        if TEMP_RE.fullmatch(name):
+            temps.append(path)
+        elif want_blocks and name.endswith(".bin") and stat.S_ISREG(st.st_mode):
+            blocks.append((st.st_mtime_ns, path, st.st_size))
     return blocks, temps
-
-
-def _scandir(directory: str) -> Iterator[os.DirEntry[str]]:
-    with os.scandir(directory) as entries:
-        yield from entries

@@ -10,7 +10,6 @@ recognised (another start time), and files of other hosts or pid namespaces are 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import os
@@ -20,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from kvtier_async._beneath import unlink_under
 from kvtier_async._log import get_logger
 
 __all__ = ["TEMP_RE", "identity", "process_start", "remove_dead_temps", "temp_name"]
@@ -80,15 +80,14 @@ def _writer_is_dead(token: str, pid: int, start: int) -> bool:
     return process_start(pid) != start
 
 
-def remove_dead_temps(temps: Sequence[str]) -> None:
-    """Delete those of ``temps`` (paths of named temporaries) whose writers are dead."""
+def remove_dead_temps(root: str, temps: Sequence[str]) -> None:
+    """Delete those of ``temps`` (paths of named temporaries below ``root``) whose writers
+    are dead, never through a link below ``root`` (`kvtier_async._beneath`)."""
     removed = 0
     for path in temps:
         match = TEMP_RE.fullmatch(os.path.basename(path))
         if match is None or not _writer_is_dead(match[1], int(match[2]), int(match[3])):
             continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-            removed += 1
+        removed += unlink_under(root, path)
     if removed:
         log.info("fs tier removed leftover temporary files", count=removed)
