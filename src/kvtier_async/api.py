@@ -641,7 +641,7 @@ def _as_bytes(block: Any, block_bytes: int, index: int, writable: bool) -> Any:
     """A zero-copy flat uint8 view of one block: numpy for host memory, a `DeviceBlock` (the
     tensor and the caller's current stream) for a CUDA tensor."""
     if hasattr(block, "data_ptr") and hasattr(block, "is_cuda"):
-        return _tensor_bytes(block, block_bytes, index)
+        return _tensor_bytes(block, block_bytes, index, writable)
     try:
         array = np.asarray(memoryview(block) if not isinstance(block, np.ndarray) else block)
     except TypeError as exc:
@@ -654,11 +654,11 @@ def _as_bytes(block: Any, block_bytes: int, index: int, writable: bool) -> Any:
     if flat.nbytes != block_bytes:
         raise ValueError(f"blocks[{index}] has {flat.nbytes} bytes, block_bytes is {block_bytes}")
     if writable and not flat.flags.writeable:
-        raise ValueError(f"blocks[{index}] is read-only")
+        raise ValueError(f"blocks[{index}] is read-only: a load writes into it")
     return flat
 
 
-def _tensor_bytes(tensor: Any, block_bytes: int, index: int) -> Any:
+def _tensor_bytes(tensor: Any, block_bytes: int, index: int, writable: bool) -> Any:
     import torch
 
     if not tensor.is_contiguous():
@@ -667,6 +667,16 @@ def _tensor_bytes(tensor: Any, block_bytes: int, index: int) -> Any:
     if flat.numel() != block_bytes:
         raise ValueError(f"blocks[{index}] has {flat.numel()} bytes, block_bytes is {block_bytes}")
     if flat.device.type == "cpu":
+        if writable and not flat.untyped_storage().resizable():
+            # torch keeps no read-only flag: a tensor over memory torch did not allocate
+            # (torch.frombuffer of a bytes object or a read-only mmap, torch.from_numpy of a
+            # read-only array) may be memory nobody may write. Refused before any copy.
+            raise ValueError(
+                f"blocks[{index}] is a CPU tensor over memory torch did not allocate "
+                "(torch.frombuffer, torch.from_numpy...), which may be read-only: pass the "
+                "numpy array or buffer itself (its read-only flag is checked) or a tensor "
+                "torch allocated"
+            )
         return flat.numpy()
     if flat.device.type != "cuda":
         raise ValueError(
