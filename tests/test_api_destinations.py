@@ -107,3 +107,22 @@ def test_a_tensor_over_a_read_only_mapping_is_refused_not_a_crash() -> None:
     )
     assert done.returncode == 0, f"the child died ({done.returncode}): {done.stderr[-2000:]}"
     assert done.stdout.startswith("refused: blocks[0] is a CPU tensor"), done.stdout
+
+
+def test_a_tensor_torch_allocated_stays_a_destination_after_stores_and_loads() -> None:
+    """What the cache does with a tensor (store from it, load into it) never makes it look
+    like memory torch did not allocate: loads into it keep working, call after call."""
+    torch = pytest.importorskip("torch")
+    keys = [make_offload_key(bytes([i]) * 16, 0) for i in range(2)]
+
+    async def main() -> None:
+        async with TieredKVCache(CONFIG) as cache:
+            tensor = torch.arange(2 * BLOCK, dtype=torch.int32).to(torch.uint8).reshape(2, -1)
+            await cache.store(keys, [tensor[0], tensor[1]])
+            expected = tensor.clone()
+            for _ in range(3):
+                tensor.zero_()
+                assert await cache.load(keys, [tensor[0], tensor[1]]) == 2
+                assert torch.equal(tensor, expected)
+
+    anyio.run(main)

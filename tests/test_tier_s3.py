@@ -1002,3 +1002,50 @@ async def test_calls_need_an_open_tier(moto_s3: MotoS3Server, s3_bucket: str) ->
     await tier.aclose()  # idempotent
     with pytest.raises(RuntimeError):
         await tier.open()
+
+
+OPEN_CHILD = """
+import socket, sys, threading, time
+import anyio
+from kvtier_async.api import TieredKVCache
+from kvtier_async.tiers.s3 import EndpointUnreachableError
+
+silent = socket.socket()
+silent.bind(("127.0.0.1", 0))
+silent.listen(64)  # accepts connections (the kernel's backlog), never answers
+config = {"block_bytes": 4096, "num_slots": 4, "secondary_tiers": [{
+    "type": "obj", "bucket": "kv", "endpoint_override": f"127.0.0.1:{silent.getsockname()[1]}",
+    "scheme": "http", "access_key": "test-access-key", "secret_key": "test-secret-key",
+    "region": "us-east-1", "timeout_s": float(sys.argv[1])}]}
+
+async def main():
+    start = time.monotonic()
+    try:
+        async with TieredKVCache(config):
+            print("opened")
+    except EndpointUnreachableError:
+        pass
+    print(time.monotonic() - start, "torch" in sys.modules)
+
+anyio.run(main)
+"""
+
+
+def test_a_first_open_over_a_silent_endpoint_ends_within_its_deadline() -> None:
+    """The first open of a process over an endpoint that never answers fails within its
+    stated bound (a request and its retries: 2 x timeout_s), and imports no torch on the
+    way (a host-only cache has no use for it: seconds of the open before)."""
+    import subprocess
+    import sys
+
+    timeout_s = 1.0
+    done = subprocess.run(
+        [sys.executable, "-c", OPEN_CHILD, str(timeout_s)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    elapsed, torch_imported = done.stdout.split()
+    assert torch_imported == "False"
+    assert float(elapsed) < 2 * timeout_s + SLACK_S, elapsed

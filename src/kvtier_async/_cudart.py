@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
@@ -37,6 +39,8 @@ log = get_logger(__name__)
 
 MemcpyAsync = Callable[[int, int, int, int], None]  # (dst, src, nbytes, stream handle)
 _CUDA_MEMCPY_DEFAULT: Final = 4  # cudaMemcpyDefault: direction from unified addresses
+# Where the NVIDIA driver's device nodes are: none of them, no CUDA device in this process.
+_NVIDIA_NODES: Final = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")  # dxg: WSL2
 
 
 @functools.cache
@@ -71,7 +75,13 @@ def memcpy_async() -> MemcpyAsync | None:
 
 
 def runtime() -> Any:
-    """torch's CUDA runtime bindings, or None without CUDA (torch absent or no device)."""
+    """torch's CUDA runtime bindings, or None without CUDA (torch absent or no device).
+
+    On a machine without an NVIDIA device node, torch is not imported for this (seconds
+    of a cache's open, for an answer known already): None unless the process has imported
+    torch itself."""
+    if "torch" not in sys.modules and not any(os.path.exists(node) for node in _NVIDIA_NODES):
+        return None
     try:
         import torch
     except ImportError:

@@ -668,21 +668,37 @@ def _tensor_bytes(tensor: Any, block_bytes: int, index: int, writable: bool) -> 
         raise ValueError(f"blocks[{index}] has {flat.numel()} bytes, block_bytes is {block_bytes}")
     if flat.device.type == "cpu":
         if writable and not flat.untyped_storage().resizable():
-            # torch keeps no read-only flag: a tensor over memory torch did not allocate
-            # (torch.frombuffer of a bytes object or a read-only mmap, torch.from_numpy of a
-            # read-only array) may be memory nobody may write. Refused before any copy.
+            # torch keeps no read-only flag, but it marks every storage whose memory it did
+            # not allocate (torch.frombuffer of a bytes object or of a read-only mmap,
+            # torch.from_numpy) or that it handed to numpy (Tensor.numpy) as not resizable:
+            # such memory may be memory nobody may write. Refused before any copy.
             raise ValueError(
                 f"blocks[{index}] is a CPU tensor over memory torch did not allocate "
-                "(torch.frombuffer, torch.from_numpy...), which may be read-only: pass the "
-                "numpy array or buffer itself (its read-only flag is checked) or a tensor "
-                "torch allocated"
+                "(torch.frombuffer, torch.from_numpy, or exported with Tensor.numpy), which "
+                "may be read-only: pass the numpy array or buffer itself (its read-only flag "
+                "is checked) or a tensor torch allocated"
             )
-        return flat.numpy()
+        return np.asarray(_TensorBytes(flat))
     if flat.device.type != "cuda":
         raise ValueError(
             f"blocks[{index}] is on {flat.device}: blocks must be in CPU memory or on a CUDA device"
         )
     return DeviceBlock.of(flat)
+
+
+class _TensorBytes:
+    """A CPU uint8 tensor as a numpy array (``np.asarray`` of this) that keeps the tensor
+    alive, made without ``Tensor.numpy()``: that would mark the tensor's storage as not
+    resizable, and so as memory torch did not allocate, to every later load."""
+
+    def __init__(self, flat: Any) -> None:
+        self.tensor = flat
+        self.__array_interface__ = {
+            "shape": (int(flat.numel()),),
+            "typestr": "|u1",
+            "data": (int(flat.data_ptr()), False),
+            "version": 3,
+        }
 
 
 class CacheRequest:

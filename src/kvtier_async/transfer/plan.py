@@ -79,9 +79,11 @@ class CopyPlan:
 class HostSlots:
     """The CPU tier's slots as raw memory: slot ``s`` starts at ``address + s * stride``.
 
-    ``keepalive`` is a tensor over the slots; while it lives, the memory cannot be
-    unmapped (a `SharedRegion` refuses to close), so drop the handlers that hold this
-    before closing the region.
+    ``keepalive`` is a tensor or numpy array over the slots; while it lives, the memory
+    cannot be unmapped (a `SharedRegion` refuses to close), so drop the handlers that hold
+    this before closing the region. A region's slots are a numpy array, so that a host-only
+    process never imports torch for them (seconds of a cache's open); `flat` makes the
+    tensor the device paths need.
     """
 
     address: int
@@ -89,19 +91,18 @@ class HostSlots:
     num_slots: int
     slot_bytes: int
     pinned: bool
-    keepalive: torch.Tensor
+    keepalive: torch.Tensor | npt.NDArray[np.uint8]
 
     @classmethod
     def from_region(cls, region: SharedRegion) -> HostSlots:
         """This worker's slots of a shared region (pinned if it is CUDA-registered)."""
-        tensor = region.torch()
         return cls(
             address=region.slot_address(0),
             stride=region.row_bytes * region.num_workers,
             num_slots=region.num_slots,
             slot_bytes=region.slot_bytes,
             pinned=region.is_cuda_registered,
-            keepalive=tensor,
+            keepalive=region.numpy(),
         )
 
     @classmethod
@@ -133,6 +134,8 @@ class HostSlots:
         import torch
 
         base = self.keepalive
+        if isinstance(base, np.ndarray):
+            base = torch.from_numpy(base)
         flat = torch.as_strided(base.view(torch.uint8), (self.span,), (1,))
         if flat.data_ptr() != self.address:
             raise RuntimeError("host slot view is not zero-copy")
