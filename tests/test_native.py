@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,52 @@ def test_a_cached_library_that_is_not_private_is_rebuilt(
     st = built.stat()
     assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
     assert _load(built) == 7
+
+
+EVIL = """
+#include <stdio.h>
+__attribute__((constructor)) static void run_at_load(void) {
+    FILE *f = fopen(MARKER, "w");
+    if (f) { fputs("ran", f); fclose(f); }
+}
+int kvtier_tiny(void) { return 666; }
+"""
+
+
+def test_a_cache_link_flipped_after_the_check_loads_none_of_another_users_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attack of issue 23 (item 1): ``KVTIER_CACHE_DIR`` is a link another user
+    controls, pointing at a private directory of ours while it is checked and flipped to
+    theirs (holding a library of the same name whose constructor runs code) before the
+    load. The load goes through the descriptors opened at the check: their code never runs."""
+    ours, theirs, link = tmp_path / "ours", tmp_path / "theirs", tmp_path / "cache"
+    ours.mkdir(mode=0o700)
+    theirs.mkdir()
+    theirs.chmod(0o777)
+    link.symlink_to(ours)
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(link))
+    name = _native.build_library("tiny", TINY).name  # cached in ours
+    marker = tmp_path / "marker"
+    evil_c = theirs / "evil.c"
+    evil_c.write_text(EVIL.replace("MARKER", f'"{marker}"'))
+    compiler = next(c for c in ("cc", "gcc", "clang") if shutil.which(c))
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-o", str(theirs / name), str(evil_c)], check=True
+    )
+    (theirs / name).chmod(0o700)
+    opened = _native._open_library
+
+    def flip_then_open(dir_fd: int, library: str) -> tuple[int | None, str]:
+        link.unlink()
+        link.symlink_to(theirs)  # the attacker wins the race right here
+        return opened(dir_fd, library)
+
+    monkeypatch.setattr(_native, "_open_library", flip_then_open)
+    library = _native.load_library("tiny", TINY)
+    assert library.kvtier_tiny() == 7
+    assert not marker.exists()
+    assert os.path.realpath(link) == str(theirs)  # the flip did happen
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier_async._log import get_logger
-from kvtier_async._native import BUILD_ERRORS, build_library, disabled
+from kvtier_async._native import BUILD_ERRORS, disabled, load_library
 
 from .plan import CopyPlan
 
@@ -85,7 +85,7 @@ def native_copier() -> BatchCopier | None:
     if disabled("KVTIER_NATIVE_COPY"):
         return None
     try:
-        library = ctypes.CDLL(str(build_library("batch_copy", _SOURCE)))
+        library = load_library("batch_copy", _SOURCE)
     except BUILD_ERRORS as exc:
         log.info("native batch copy unavailable; using a ctypes.memmove loop", error=str(exc))
         return None

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import crc32c
 
 from kvtier_async._log import get_logger
-from kvtier_async._native import BUILD_ERRORS, build_library, disabled
+from kvtier_async._native import BUILD_ERRORS, disabled, load_library
 from kvtier_async.tiers.fs.native_source import FLAGS, KIND_LOAD, KIND_STORE, SOURCE
 
 __all__ = [
@@ -184,7 +184,7 @@ def native_fsio() -> FsIo | None:
     if disabled("KVTIER_NATIVE_FS") or not hasattr(os, "O_DIRECT"):
         return None
     try:
-        library = ctypes.CDLL(str(build_library("fsio", SOURCE, FLAGS)))
+        library = load_library("fsio", SOURCE, FLAGS)
     except BUILD_ERRORS as exc:
         log.info("native fs I/O unavailable; using the Python path", error=str(exc))
         return None
