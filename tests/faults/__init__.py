@@ -56,4 +56,5 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("root-removed", "fs root removed while running", "faults.root_removed:run", 180),
     Scenario("cancel", "cancellation of every public call", "faults.cancel:run", 240),
     Scenario("connector", "vLLM connector, tier failing mid-run", "faults.connector:run", 420),
+    Scenario("hostile", "hostile neighbours", "faults.hostile:run", 240),
 )
