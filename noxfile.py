@@ -113,6 +113,7 @@ def typecheck(session: nox.Session) -> None:
     """Mypy, strict, on the package."""
     shared(session)
     session.run(tool("mypy"), "src/kvtier_async", external=True)
+    session.run(tool("mypy"), "src/kernels", external=True)  # kvtier_async.kernels, installed
 
 
 @nox.session(python=False)

@@ -281,7 +281,7 @@ class LaunchCounter:
 @pytest.fixture
 def kernel_launches(monkeypatch: pytest.MonkeyPatch) -> LaunchCounter:
     """Counts launches of the Triton swap-blocks kernel (the handlers import it per batch)."""
-    swap_blocks = importlib.import_module("kernels.swap_blocks")
+    swap_blocks = importlib.import_module("kvtier_async.kernels.swap_blocks")
     counter, launch = LaunchCounter(), swap_blocks.launch_swap_blocks
 
     def counted(*args: Any, **kwargs: Any) -> None:

@@ -4,7 +4,8 @@
                 <- api, integrations, vllm  <- cli, demo, ops, bench
 
 A module may import its own layer and the layers below it. `LAYERS` places every top-level
-module and subpackage of ``src/kvtier_async`` (and the ``kernels`` package beside it): the
+module and subpackage of ``src/kvtier_async`` (and ``src/kernels``, installed as
+``kvtier_async.kernels``): the
 foundation holds what everything may use (logging, the native-helper builder, the CUDA
 runtime loader, config parsing, the version); ``memory`` (the shared CPU region) sits with
 the sans-I/O ledger because tiers, transfers and tools build on it and it builds on nothing
@@ -39,8 +40,6 @@ LEVEL = {part: level for level, parts in enumerate(LAYERS) for part in parts}
 def part_of(module: str) -> str | None:
     """The `LAYERS` entry of a dotted module name (None: not ours)."""
     head, _, rest = module.partition(".")
-    if head == "kernels":
-        return "kernels"
     if head != "kvtier_async":
         return None
     return rest.partition(".")[0] or "kvtier_async"
@@ -48,6 +47,8 @@ def part_of(module: str) -> str | None:
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[0] == "kernels":  # src/kernels/ installs as kvtier_async.kernels (pyproject.toml)
+        parts.insert(0, "kvtier_async")
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -143,7 +144,7 @@ def test_an_upward_import_is_reported_with_its_place(module: str, source: str) -
         ("kvtier_async.api", "from .engine import Engine"),
         ("kvtier_async.tiers.fs.tier", "from ..base import SecondaryTier"),
         ("kvtier_async.cli", "from kvtier_async import __version__"),
-        ("kvtier_async.transfer.handlers", "from kernels.swap_blocks import MIN_JOBS"),
+        ("kvtier_async.transfer.handlers", "from kvtier_async.kernels.swap_blocks import MIN_JOBS"),
         ("kvtier_async.engine.engine", "import anyio\nfrom kvtier_async.ledger import JobKind"),
     ],
 )

@@ -38,8 +38,7 @@ CASES = [
 
 def _child() -> dict[str, dict[str, Any]]:
     import torch
-
-    from kernels.swap_blocks import build_descriptors, launch_swap_blocks
+    from kvtier_async.kernels.swap_blocks import build_descriptors, launch_swap_blocks
 
     rng = np.random.default_rng(0)
     report: dict[str, dict[str, Any]] = {}
@@ -106,8 +105,8 @@ def _child() -> dict[str, dict[str, Any]]:
 def _from_specs(rng: np.random.Generator) -> dict[str, Any]:
     """Plan a store and a load from specs, copy with the kernel, compare with memmove."""
     import torch
+    from kvtier_async.kernels.swap_blocks import build_descriptors, launch_swap_blocks
 
-    from kernels.swap_blocks import build_descriptors, launch_swap_blocks
     from kvtier_async.ledger import CPUSpec, GPUSpec
     from kvtier_async.transfer import HostSlots, canonicalize, plan_transfer
     from kvtier_async.transfer.hostcopy import memmove_copier
@@ -165,14 +164,14 @@ def test_kernel_is_byte_exact(report: dict[str, dict[str, Any]], case: str) -> N
 
 
 def test_module_imports_without_cuda() -> None:
-    from kernels import swap_blocks
+    from kvtier_async.kernels import swap_blocks
 
     assert swap_blocks.THRESHOLD_BYTES == 28 * 1024
     assert isinstance(swap_blocks.triton_available(), bool)
 
 
 def test_descriptors_reject_misaligned_addresses() -> None:
-    from kernels.swap_blocks import build_descriptors
+    from kvtier_async.kernels.swap_blocks import build_descriptors
 
     table = build_descriptors([8, 16], [24, 32], [5, 40])
     assert table.shape == (3, 2)
@@ -184,7 +183,7 @@ def test_descriptors_reject_misaligned_addresses() -> None:
 
 
 def test_chunk_sizes() -> None:
-    from kernels.swap_blocks import MAX_BYTES_PER_CHUNK, chunk_bytes_for
+    from kvtier_async.kernels.swap_blocks import MAX_BYTES_PER_CHUNK, chunk_bytes_for
 
     assert [chunk_bytes_for(n) for n in (0, 8, 9, 1000, 4096, 28 * 1024)] == [
         8,

@@ -1,7 +1,7 @@
 """Triton kernels for kvtier-async (the swap-blocks copy kernel and its launch helpers).
 
 Kernel modules hold one kernel each and are imported lazily, so that importing this package
-never needs Triton or a GPU: the names below load `kernels.swap_blocks` on first access
+never needs Triton or a GPU: the names below load `kvtier_async.kernels.swap_blocks` on first access
 (which also keeps ``TRITON_INTERPRET`` effective until a kernel is actually wanted).
 """
 
@@ -23,5 +23,5 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        return getattr(importlib.import_module("kernels.swap_blocks"), name)
-    raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+        return getattr(importlib.import_module("kvtier_async.kernels.swap_blocks"), name)
+    raise AttributeError(f"module 'kvtier_async.kernels' has no attribute {name!r}")

@@ -22,9 +22,10 @@ triples; the copier that runs it is chosen by where the device memory lives:
     writing; a load must not race pending writes to its blocks) and on the previous
     transfer's end event (transfers run in submission order). With ``use_triton`` a batch of
     at least ``MIN_JOBS`` runs is one launch of the Triton swap-blocks kernel
-    (`kernels.swap_blocks`); otherwise the copy engine moves it, one ``cudaMemcpyAsync`` per
-    run (through ctypes on torch's CUDA runtime, `kvtier_async._cudart`, after a self-test),
-    else ``Tensor.copy_(non_blocking=True)`` on views of the device allocations
+    (`kvtier_async.kernels.swap_blocks`); otherwise the copy engine moves it, one
+    ``cudaMemcpyAsync`` per run (through ctypes on torch's CUDA runtime,
+    `kvtier_async._cudart`, after a self-test), else ``Tensor.copy_(non_blocking=True)`` on
+    views of the device allocations
     (`DeviceStorages`). Completion is the end event, awaited through the `EventBridge`; a
     cancelled transfer waits for the end event (shielded) before it re-raises, so nothing is
     written after its job ended. A device copy is not split: the DMA of one job takes
@@ -328,7 +329,7 @@ class CudaPlanCopier:
     def _enqueue(
         self, plan: CopyPlan, stream: torch.cuda.Stream, storages: DeviceStorages | None
     ) -> object:
-        from kernels.swap_blocks import MIN_JOBS, build_descriptors, launch_swap_blocks
+        from kvtier_async.kernels.swap_blocks import MIN_JOBS, build_descriptors, launch_swap_blocks
 
         if self._use_triton and len(plan) >= MIN_JOBS:
             table = build_descriptors(plan.src, plan.dst, plan.size, pin_memory=True)

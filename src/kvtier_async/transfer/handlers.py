@@ -28,10 +28,10 @@ same code that moves the async API's blocks (`kvtier_async.transfer.blocks`):
     job waiting (shielded) for its end event before it re-raises. The copy path is chosen
     once, at construction: when every page is smaller than ``triton_threshold`` (28 KiB by
     default) and 8-byte aligned and the host slots are pinned, a batch is one launch of the
-    Triton swap-blocks kernel (`kernels.swap_blocks`; batches of fewer than ``MIN_JOBS`` runs
-    still use the copy engine); otherwise the copy engine moves it, one ``cudaMemcpyAsync``
-    per merged run (through ctypes on torch's CUDA runtime, after a self-test; else
-    ``Tensor.copy_(non_blocking=True)`` on views).
+    Triton swap-blocks kernel (`kvtier_async.kernels.swap_blocks`; batches of fewer than
+    ``MIN_JOBS`` runs still use the copy engine); otherwise the copy engine moves it, one
+    ``cudaMemcpyAsync`` per merged run (through ctypes on torch's CUDA runtime, after a
+    self-test; else ``Tensor.copy_(non_blocking=True)`` on views).
 
 Every handler offers ``await transfer(src, dst)`` and a synchronous ``execute(src, dst)``
 for worker threads (the sync vLLM face). Both return a `TransferResult` (bytes moved,
@@ -278,7 +278,7 @@ class CudaCopyHandler(TransferHandler):
         super().close()
 
     def _choose_triton(self, use_triton: bool | None, threshold: int) -> bool:
-        from kernels.swap_blocks import triton_available
+        from kvtier_async.kernels.swap_blocks import triton_available
 
         host = self._live_host()
         aligned = _all_aligned(self._kv, self._layout, host)
