@@ -18,7 +18,14 @@ import urllib.request
 
 import anyio
 from asyncio_server import BLOCK_BYTES, serve_one  # the request handler of the first example
-from prometheus_client import CollectorRegistry, start_http_server
+
+try:
+    from prometheus_client import CollectorRegistry, start_http_server
+except ImportError:  # one line, not a traceback
+    raise SystemExit(
+        "prometheus.py needs the examples extra (prometheus_client): "
+        "pip install 'kvtier-async[examples]'"
+    ) from None
 
 from kvtier_async.api import TieredKVCache
 

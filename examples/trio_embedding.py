@@ -10,7 +10,12 @@ import argparse
 import random
 import tempfile
 
-import trio
+try:
+    import trio
+except ImportError:  # one line, not a traceback
+    raise SystemExit(
+        "trio_embedding.py needs the examples extra (trio): pip install 'kvtier-async[examples]'"
+    ) from None
 from asyncio_server import BLOCK_BYTES, serve_one  # the backend-neutral request handler
 
 from kvtier_async.api import TieredKVCache

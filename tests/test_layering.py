@@ -27,7 +27,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kvtier_async", "_log", "_native", "_cudart", "_safefile", "_beneath", "config"),
+    ("kvtier_async", "_log", "_native", "_cudart", "_safefile", "_beneath", "_extras", "config"),
     ("ledger", "memory", "events"),
     ("engine",),
     ("tiers", "transfer", "kernels"),

@@ -29,11 +29,12 @@ import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import structlog
 
 from kvtier_async import __version__, bench
+from kvtier_async._extras import MissingExtraError
 from kvtier_async.bench.report import BenchRecord, as_quick, misses, render_table
 from kvtier_async.ops import render
 from kvtier_async.ops.layout import OpsError
@@ -64,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status: int = args.command(args)
         return status
+    except MissingExtraError as exc:  # one line naming the extra, not a traceback
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 2
     finally:
         logging.getLogger().removeHandler(handler)
 
@@ -315,35 +319,43 @@ def _s3_options(args: argparse.Namespace) -> operations.S3Options:
     return operations.S3Options(args.endpoint, args.region, args.timeout, jobs)
 
 
+_Errors: TypeAlias = tuple[type[Exception], ...]
+
+
 def _operation(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
     """Run ``fn``; a bad location or argument exits 2, a bucket that cannot be used 1,
     each with a line on stderr that names what is wrong."""
 
     @functools.wraps(fn)
     def run(args: argparse.Namespace) -> int:
-        from kvtier_async.ops.s3root import REQUEST_ERRORS
-        from kvtier_async.tiers.s3 import BucketNotFoundError, TierOpenError
-
+        usage, unusable, said = _s3_errors()
         try:
             return fn(args)
-        except (OpsError, BucketNotFoundError) as exc:
-            print(f"kvtier {name}: {exc}", file=sys.stderr)
-            return 2
-        except (TierOpenError, *REQUEST_ERRORS) as exc:
-            print(f"kvtier {name}: {_describe(exc)}", file=sys.stderr)
+        except Exception as exc:
+            if isinstance(exc, (OpsError, *usage)):
+                print(f"kvtier {name}: {exc}", file=sys.stderr)
+                return 2
+            if not isinstance(exc, unusable):
+                raise
+            # its text, and its type where the text alone may not say what failed
+            text = str(exc) if isinstance(exc, said) else f"{type(exc).__name__}: {exc}"
+            print(f"kvtier {name}: {text}", file=sys.stderr)
             return 1
 
     return run
 
 
-def _describe(exc: BaseException) -> str:
-    """An error for the command's stderr: its text, and its type where the text alone may not
-    say what failed (a request's error)."""
-    from kvtier_async.tiers.s3 import TierOpenError
+def _s3_errors() -> tuple[_Errors, _Errors, _Errors]:
+    """The obj tier's errors that are usage errors, those that say a bucket cannot be used,
+    and those whose text says all; none without the s3 extra (no bucket is reached then)."""
+    from kvtier_async import _extras
 
-    if isinstance(exc, TierOpenError | OSError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
+    if _extras.missing(_extras.S3):
+        return (), (), ()
+    from kvtier_async.ops.s3root import REQUEST_ERRORS
+    from kvtier_async.tiers.s3 import BucketNotFoundError, TierOpenError
+
+    return (BucketNotFoundError,), (TierOpenError, *REQUEST_ERRORS), (TierOpenError, OSError)
 
 
 def _inspect_args(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Callable
 from typing import Protocol
 
+from kvtier_async import _extras
 from kvtier_async.bench.report import BenchRecord
 
 __all__ = ["BENCHMARKS", "BenchFn", "load"]
@@ -35,8 +36,18 @@ class BenchFn(Protocol):
     ) -> list[BenchRecord]: ...
 
 
+# The extras a benchmark needs beyond the base install: `load` names a missing one.
+NEEDS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "s3": (("s3", _extras.S3), ("bench", _extras.BENCH_S3)),
+    "e2e": (("s3", _extras.S3), ("bench", _extras.BENCH_S3)),
+}
+
+
 def load(name: str) -> BenchFn:
-    """Import and return the function of benchmark *name* (`KeyError` if there is none)."""
+    """Import and return the function of benchmark *name* (`KeyError` if there is none;
+    `kvtier_async._extras.MissingExtraError` naming the extra it needs, if missing)."""
+    for extra, modules in NEEDS.get(name, ()):
+        _extras.require(extra, modules, f"bench {name}")
     module_name, _, function_name = BENCHMARKS[name].partition(":")
     function: BenchFn = getattr(importlib.import_module(module_name), function_name)
     return function

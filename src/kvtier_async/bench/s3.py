@@ -66,12 +66,8 @@ class _Side:
 
 def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRecord]:
     """PUT and GET MB/s for each block size, ours against raw aioboto3."""
-    try:
-        from kvtier_async.bench.s3server import MotoS3Server
-    except ImportError as exc:  # pragma: no cover - the test extra is missing
-        raise RuntimeError(
-            "bench s3 needs moto[server] (pip install 'kvtier-async[bench]')"
-        ) from exc
+    from kvtier_async.bench.s3server import MotoS3Server  # its extra: checked by `load`
+
     note = progress or (lambda _: None)
     with MotoS3Server(in_process=False) as server:
         note(f"s3: moto server at {server.endpoint} (child process)")

@@ -14,14 +14,19 @@ import functools
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import anyio
 
+from kvtier_async._extras import S3 as S3_MODULES
+from kvtier_async._extras import MissingExtraError, require
 from kvtier_async.ops import fsroot, regions
-from kvtier_async.ops.layout import Root
+from kvtier_async.ops.layout import OpsError, Root
 from kvtier_async.ops.regions import RegionInfo
 from kvtier_async.ops.results import GcPlan, GcResult, Verification
-from kvtier_async.ops.s3root import Bucket, connect, parse_url
+
+if TYPE_CHECKING:
+    from kvtier_async.ops.s3root import Bucket
 
 __all__ = ["S3Options", "gc", "inspect", "list_regions", "remote"]
 
@@ -117,7 +122,14 @@ async def _gc_s3(
 
 
 def _bucket(location: str, s3: S3Options) -> AbstractAsyncContextManager[Bucket]:
-    """The async context of the bucket at ``location``: a `Bucket`."""
+    """The async context of the bucket at ``location``: a `Bucket` (an `OpsError`, a usage
+    error, when the s3 extra is not installed)."""
+    try:
+        require("s3", S3_MODULES, f"{location}: a bucket")
+    except MissingExtraError as exc:
+        raise OpsError(str(exc)) from None
+    from kvtier_async.ops.s3root import connect, parse_url
+
     return connect(
         parse_url(location),
         endpoint=s3.endpoint,

@@ -34,6 +34,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+from kvtier_async._extras import S3 as S3_MODULES
+from kvtier_async._extras import MissingExtraError, require
 from kvtier_async.config import ConfigError, Section
 from kvtier_async.tiers.blockfile import block_relpath
 
@@ -173,6 +175,11 @@ def _factory(kind: str, section: Section) -> TierFactory:
     factory = _FACTORIES[kind]
     if isinstance(factory, str):
         module_name, _, attr = factory.partition(":")
+        if kind == "obj":
+            try:
+                require("s3", S3_MODULES, f"tier {kind!r}")
+            except MissingExtraError as exc:
+                raise ConfigError(section.name("type"), str(exc)) from None
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
