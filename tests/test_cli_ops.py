@@ -347,13 +347,14 @@ def test_gc_evicts_in_the_tiers_own_order(
     assert plan["freed_bytes"] == 13 * FILE_A
     assert len(list(root.rglob("*.bin"))) == 20  # a dry run deletes nothing
 
-    status, out, _ = cli(capsys, "gc", str(root), "--max-bytes", str(limit))
+    status, out, _ = cli(capsys, "gc", "-v", str(root), "--max-bytes", str(limit))
     assert status == 0
     lines = out.splitlines()
     assert (
         lines[1]
         == f"deleted 13 blocks ({render.format_size(13 * FILE_A)}), least recently used first:"
     )
+    assert len(lines) == 1 + 1 + 13 + 1  # -v lists each block
     assert lines[-1] == f"left 7 blocks, {render.format_size(7 * FILE_A)}"
 
     async def tier_gc() -> None:
@@ -364,6 +365,20 @@ def test_gc_evicts_in_the_tiers_own_order(
     ours = {str(p.relative_to(root)) for p in root.rglob("*.bin")}
     theirs = {str(p.relative_to(twin)) for p in twin.rglob("*.bin")}
     assert ours == theirs == {str(p.relative_to(root)) for p in order[13:]}
+
+
+def test_gc_prints_a_summary_unless_asked_for_the_list(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without -v a gc says how many blocks it deleted, from when to when, in one line
+    (a real root has thousands); with it, each one."""
+    store_blocks(root, CTX_A, 30)
+    status, out, _ = cli(capsys, "gc", str(root), "--max-bytes", "0", "--dry-run")
+    assert status == 0 and len(out.splitlines()) == 3, out
+    assert f"would delete 30 blocks ({render.format_size(30 * FILE_A)})" in out
+    assert out.splitlines()[1].endswith("(-v lists them)")
+    status, out, _ = cli(capsys, "gc", "-v", str(root), "--max-bytes", "0", "--dry-run")
+    assert status == 0 and len(out.splitlines()) == 3 + 30
 
 
 def test_gc_of_one_model_and_down_to_nothing(
@@ -393,12 +408,12 @@ def test_gc_removes_temporaries_of_dead_writers_only(
 ) -> None:
     store_blocks(root, CTX_A, 2)
     temps = add_temps(root / CTX_A.namespace / "r0")
-    status, out, _ = cli(capsys, "gc", str(root), "--max-bytes", "1T", "--dry-run")
+    status, out, _ = cli(capsys, "gc", str(root), "--max-bytes", "1T", "--dry-run", "-v")
     assert status == 0 and all(path.exists() for path in temps.values())
     dead = str(temps["dead"].relative_to(root))
     assert f"would delete 1 temporary files of dead writers:\n  {dead}\n" in out
     assert "left alone: 2 temporary files of live or other-host writers" in out
-    status, out, _ = cli(capsys, "gc", str(root), "--max-bytes", "1T")
+    status, out, _ = cli(capsys, "-v", "gc", str(root), "--max-bytes", "1T")
     assert status == 0 and f"deleted 1 temporary files of dead writers:\n  {dead}\n" in out
     assert not temps["dead"].exists() and temps["live"].exists() and temps["foreign"].exists()
     assert len(list(root.rglob("*.bin"))) == 2

@@ -179,7 +179,14 @@ def _add_operations(commands: Any) -> None:  # argparse's private _SubParsersAct
         help="keep at most N bytes of blocks (suffixes K, M, G, T: powers of 1024)",
     )
     trim.add_argument("--model", metavar="DIGEST", help="only this namespace (digest or name)")
-    trim.add_argument("--dry-run", action="store_true", help="list what would be deleted")
+    trim.add_argument("--dry-run", action="store_true", help="say what would be deleted")
+    trim.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS,  # adds to kvtier's own -v
+        help="list every block and temporary file (and log INFO lines)",
+    )
     trim.add_argument("--json", action="store_true", help="print one JSON document")
     _add_s3_flags(trim)
     trim.set_defaults(command=_gc)
@@ -411,7 +418,7 @@ def _gc_args(args: argparse.Namespace) -> int:
     if args.json:
         print(render.to_json(render.gc_json(plan, result)))
     else:
-        print(render.gc_text(plan, result))
+        print(render.gc_text(plan, result, listed=args.verbose > 0))
     return 1 if result is not None and result.failed else 0
 
 

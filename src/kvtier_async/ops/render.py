@@ -301,8 +301,9 @@ def _duration(seconds: float) -> str:
 # -- gc --------------------------------------------------------------------------------------
 
 
-def gc_text(plan: GcPlan, result: GcResult | None) -> str:
-    """A dry run's list (``result`` None), or what was deleted."""
+def gc_text(plan: GcPlan, result: GcResult | None, *, listed: bool = False) -> str:
+    """A dry run's summary (``result`` None), or what was deleted; ``listed``: each block
+    and temporary file too (``kvtier gc -v``; thousands of lines on a real root)."""
     scope = "all models" if plan.namespaces is None else ", ".join(plan.namespaces)
     lines = [
         f"{plan.location} ({scope}): {plan.blocks} blocks, {format_size(plan.bytes)}; "
@@ -318,18 +319,28 @@ def gc_text(plan: GcPlan, result: GcResult | None) -> str:
     if not plan.victims:
         lines.append("nothing to delete: under the limit")
     else:
-        lines.append(
-            f"{verb} {len(blocks)} blocks ({format_size(freed)}), least recently used first:"
-        )
-        lines += [f"  {_local(b.mtime_ns)}  {format_size(b.size):>10}  {b.relpath}" for b in blocks]
+        order = "least recently used first"
+        if listed:
+            lines.append(f"{verb} {len(blocks)} blocks ({format_size(freed)}), {order}:")
+            lines += [f"  {_local(b.mtime_ns)}  {format_size(b.size):>10}  {b.relpath}"
+                      for b in blocks]  # fmt: skip
+        else:
+            span = (
+                f", {_local(blocks[0].mtime_ns)} to {_local(blocks[-1].mtime_ns)}" if blocks else ""
+            )
+            lines.append(
+                f"{verb} {len(blocks)} blocks ({format_size(freed)}), {order}{span} (-v lists them)"
+            )
     left_blocks, left = plan.blocks - len(blocks), plan.bytes - freed
     lines.append(
         f"{'would leave' if result is None else 'left'} {left_blocks} blocks, {format_size(left)}"
     )
     temps = plan.temps if result is None else result.temps_removed
     if temps:
-        lines.append(f"{verb} {len(temps)} temporary files of dead writers:")
-        lines += [f"  {t.relpath}" for t in temps]
+        lines.append(
+            f"{verb} {len(temps)} temporary files of dead writers" + (":" if listed else "")
+        )
+        lines += [f"  {t.relpath}" for t in temps] if listed else []
     if plan.live_temps:
         lines.append(f"left alone: {plan.live_temps} temporary files of live or other-host writers")
     lines += [f"not entered (a symbolic link where a rank directory goes): {link}"
