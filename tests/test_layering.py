@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),
     ("tiers", "transfer", "kernels"),
     ("api", "integrations", "metrics", "vllm"),
-    ("cli", "demo", "ops", "bench"),
+    ("cli", "demo", "doctor", "ops", "bench"),
 )
 LEVEL = {part: level for level, parts in enumerate(LAYERS) for part in parts}
 

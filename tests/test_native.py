@@ -1,150 +1,124 @@
-"""The C helpers compile cleanly wherever a C compiler exists.
+"""The C helpers are built with the package, never at run time, and loaded only when nobody
+else may have written them.
 
-Their callers fall back to Python when a build fails, and their tests skip then, so a helper
-that stopped compiling (a missing ``#include``: an error on GCC 14 and later, a warning
-before) would pass unnoticed everywhere else. Here every helper is built from scratch with the
-strict flags `build_library` always adds, and must build.
+``pyproject.toml`` builds ``_fsio.c`` and ``_batch_copy.c`` as optional ext-modules (CI adds
+``-Werror``); where a C compiler exists, a helper that was not built fails here, so a build
+that stopped compiling cannot pass unnoticed behind the Python fallbacks. The loader's trust
+checks run against copies of the built libraries in directories made for each case
+(``KVTIER_NATIVE_DIR``).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
-import stat
 import subprocess
+from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 import pytest
 
 from kvtier_async import _native
+from kvtier_async.tiers.fs import native as fs_native
 from kvtier_async.tiers.fs import native_source
 from kvtier_async.transfer import hostcopy
 
-HELPERS = {
-    "fsio": (native_source.SOURCE, native_source.FLAGS),
-    "batch_copy": (hostcopy._SOURCE, ()),
-}
+MODULES = {"fsio": fs_native.MODULE, "batch_copy": hostcopy.MODULE}
+COMPILER = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+REQUIRED = COMPILER is not None or os.environ.get("KVTIER_REQUIRE_NATIVE") == "1"
 
 
-@pytest.fixture(autouse=True)
-def compiler() -> None:
-    if not any(shutil.which(name) for name in ("cc", "gcc", "clang")):
-        pytest.skip("no C compiler here")
+def built(module: str) -> Path:
+    if not REQUIRED:
+        pytest.skip("no C compiler here: the package was installed without its helpers")
+    return _native.library_path(module)
 
 
-@pytest.mark.parametrize("stem", sorted(HELPERS))
-def test_each_helper_builds_with_the_strict_flags(
-    stem: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_each_helper_was_built_with_the_package_and_loads(name: str) -> None:
+    path = built(MODULES[name])
+    assert path.is_file(), f"{path}: not built (see pyproject.toml's ext-modules)"
+    _native.load_library(MODULES[name])
+
+
+def test_the_helpers_are_in_use_where_they_were_built() -> None:
+    built(fs_native.MODULE)
+    assert fs_native.native_fsio.__wrapped__() is not None
+    assert hostcopy.native_copier.__wrapped__() is not None
+
+
+def test_nothing_is_compiled_at_run_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    built(fs_native.MODULE)
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a process was started at run time: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    monkeypatch.setattr(subprocess, "Popen", no_compiler)
+    assert fs_native.native_fsio.__wrapped__() is not None
+    assert hostcopy.native_copier.__wrapped__() is not None
+
+
+def test_the_generated_header_is_current() -> None:
+    assert native_source.HEADER.read_text() == native_source.generated_header(), (
+        "src/kvtier_async/tiers/fs/_fsio_defs.h is stale: "
+        "run python -m kvtier_async.tiers.fs.native_source"
+    )
+
+
+def test_a_helper_not_built_falls_back_to_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))  # nothing cached: a real build
-    source, flags = HELPERS[stem]
-    built = _native.build_library(stem, source, flags)
-    assert built.exists() and built.parent == tmp_path
-
-
-def test_a_call_to_an_undeclared_function_fails_the_build(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
-    source = 'int f(void) { return rename("a", "b"); }\n'  # no <stdio.h>
-    with pytest.raises(RuntimeError, match="implicit declaration"):
-        _native.build_library("undeclared", source)
-    assert not list(tmp_path.glob("undeclared_*.so"))
+    monkeypatch.setenv("KVTIER_NATIVE_DIR", str(tmp_path))  # holds no helper
+    with caplog.at_level(logging.INFO, logger="kvtier_async"):
+        assert fs_native.native_fsio.__wrapped__() is None
+        assert hostcopy.native_copier.__wrapped__() is None
+    assert "native fs I/O unavailable" in caplog.text
+    assert "native batch copy unavailable" in caplog.text
 
 
 # -- where a library may be loaded from ----------------------------------------------------
 
-TINY = "int kvtier_tiny(void) { return 7; }\n"
+
+def _copy_into(directory: Path, module: str) -> Path:
+    """A copy of the built helper ``module`` in ``directory``, where the loader looks when
+    ``KVTIER_NATIVE_DIR`` names it."""
+    source = built(module)
+    target = directory / (module.rpartition(".")[2] + EXTENSION_SUFFIXES[0])
+    shutil.copyfile(source, target)
+    target.chmod(0o700)
+    return target
 
 
-@pytest.fixture(autouse=True)
-def fresh_private_dirs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test sees its own process-wide map of refused cache directories."""
-    monkeypatch.setattr(_native, "_PRIVATE", {}, raising=False)
-
-
-def _load(path: Path) -> int:
-    return int(ctypes.CDLL(str(path)).kvtier_tiny())
-
-
-def test_a_new_cache_and_its_libraries_are_private_whatever_the_umask(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(cache))
-    old = os.umask(0)
-    try:
-        built = _native.build_library("tiny", TINY)
-    finally:
-        os.umask(old)
-    assert built.parent == cache
-    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
-    assert stat.S_IMODE(built.stat().st_mode) == 0o700
-    assert _load(built) == 7
-
-
-def _plant(directory: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A file where `build_library("tiny", TINY)` looks for its library in ``directory``,
-    holding something that is not that library."""
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "learn"))
-    name = _native.build_library("tiny", TINY).name
-    planted = directory / name
-    planted.write_bytes(b"not the library")
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(directory))
-    return planted
-
-
-@pytest.mark.parametrize("problem", ["others may write", "another owner"])
-def test_a_cache_directory_that_is_not_private_is_not_used(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-    problem: str,
-) -> None:
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
-    planted = _plant(cache, tmp_path, monkeypatch)
-    if problem == "others may write":
-        cache.chmod(0o777)
-    else:
-        if os.geteuid() != 0:
-            pytest.skip("needs root to give a directory away")
-        os.chown(cache, 65534, 65534)
-    with caplog.at_level(logging.WARNING, logger="kvtier_async._native"):
-        built = _native.build_library("tiny", TINY)
-        again = _native.build_library("tiny", TINY)
-    assert built.parent != cache and again == built
-    assert _load(built) == 7
-    assert planted.read_bytes() == b"not the library"
-    assert stat.S_IMODE(built.parent.stat().st_mode) == 0o700
-    (record,) = [r for r in caplog.records if "not private" in r.getMessage()]  # once
-    assert str(cache) in record.getMessage()
-
-
-@pytest.mark.parametrize("problem", ["others may write", "another owner", "symlink"])
-def test_a_cached_library_that_is_not_private_is_rebuilt(
+@pytest.mark.parametrize(
+    "problem", ["fine", "others may write the directory", "others may write it", "a link",
+                "another owner"],
+)  # fmt: skip
+def test_a_library_others_may_have_written_is_not_loaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, problem: str
 ) -> None:
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
-    planted = _plant(cache, tmp_path, monkeypatch)
-    if problem == "others may write":
-        planted.chmod(0o666)
+    where = tmp_path / "lib"
+    where.mkdir(mode=0o700)
+    library = _copy_into(where, hostcopy.MODULE)
+    monkeypatch.setenv("KVTIER_NATIVE_DIR", str(where))
+    if problem == "others may write the directory":
+        where.chmod(0o777)
+    elif problem == "others may write it":
+        library.chmod(0o666)
+    elif problem == "a link":
+        elsewhere = tmp_path / "elsewhere.so"
+        library.rename(elsewhere)
+        library.symlink_to(elsewhere)
     elif problem == "another owner":
         if os.geteuid() != 0:
             pytest.skip("needs root to give a file away")
-        os.chown(planted, 65534, 65534)
-    else:
-        target = tmp_path / "elsewhere.so"
-        planted.rename(target)
-        planted.symlink_to(target)
-    built = _native.build_library("tiny", TINY)
-    assert built == planted and not built.is_symlink()
-    st = built.stat()
-    assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
-    assert _load(built) == 7
+        os.chown(library, 65534, 65534)
+    if problem == "fine":
+        _native.load_library(hostcopy.MODULE)
+        return
+    with pytest.raises(_native.NativeUnavailableError, match="not loaded"):
+        _native.load_library(hostcopy.MODULE)
 
 
 EVIL = """
@@ -153,42 +127,45 @@ __attribute__((constructor)) static void run_at_load(void) {
     FILE *f = fopen(MARKER, "w");
     if (f) { fputs("ran", f); fclose(f); }
 }
-int kvtier_tiny(void) { return 666; }
+void kvtier_batch_copy(void) {}
 """
 
 
-def test_a_cache_link_flipped_after_the_check_loads_none_of_another_users_code(
+def test_a_link_flipped_after_the_check_loads_none_of_another_users_code(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The attack of issue 23 (item 1): ``KVTIER_CACHE_DIR`` is a link another user
-    controls, pointing at a private directory of ours while it is checked and flipped to
-    theirs (holding a library of the same name whose constructor runs code) before the
-    load. The load goes through the descriptors opened at the check: their code never runs."""
-    ours, theirs, link = tmp_path / "ours", tmp_path / "theirs", tmp_path / "cache"
+    """The attack of issue 23 (item 1), against the one directory still named at run time:
+    ``KVTIER_NATIVE_DIR`` is a link another user controls, pointing at a private directory
+    of ours while it is checked and flipped to theirs (a library of the same name whose
+    constructor runs code) before the library is opened. The load goes through the
+    directory's descriptor opened for the check: their code never runs."""
+    if COMPILER is None:
+        pytest.skip("no C compiler here to build the planted library")
+    ours, theirs, link = tmp_path / "ours", tmp_path / "theirs", tmp_path / "lib"
     ours.mkdir(mode=0o700)
     theirs.mkdir()
     theirs.chmod(0o777)
+    name = _copy_into(ours, hostcopy.MODULE).name
     link.symlink_to(ours)
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(link))
-    name = _native.build_library("tiny", TINY).name  # cached in ours
+    monkeypatch.setenv("KVTIER_NATIVE_DIR", str(link))
     marker = tmp_path / "marker"
     evil_c = theirs / "evil.c"
     evil_c.write_text(EVIL.replace("MARKER", f'"{marker}"'))
-    compiler = next(c for c in ("cc", "gcc", "clang") if shutil.which(c))
     subprocess.run(
-        [compiler, "-shared", "-fPIC", "-o", str(theirs / name), str(evil_c)], check=True
+        [COMPILER, "-shared", "-fPIC", "-o", str(theirs / name), str(evil_c)], check=True
     )
     (theirs / name).chmod(0o700)
-    opened = _native._open_library
+    judged = _native._untrusted
 
-    def flip_then_open(dir_fd: int, library: str) -> tuple[int | None, str]:
-        link.unlink()
-        link.symlink_to(theirs)  # the attacker wins the race right here
-        return opened(dir_fd, library)
+    def flip_after_the_directory(st: os.stat_result, *, directory: bool) -> str | None:
+        verdict = judged(st, directory=directory)
+        if directory:
+            link.unlink()
+            link.symlink_to(theirs)  # the attacker wins the race right here
+        return verdict
 
-    monkeypatch.setattr(_native, "_open_library", flip_then_open)
-    library = _native.load_library("tiny", TINY)
-    assert library.kvtier_tiny() == 7
+    monkeypatch.setattr(_native, "_untrusted", flip_after_the_directory)
+    _native.load_library(hostcopy.MODULE)
     assert not marker.exists()
     assert os.path.realpath(link) == str(theirs)  # the flip did happen
 
@@ -210,3 +187,27 @@ def test_the_opt_out_switches_have_one_parser(
         monkeypatch.delenv(variable)
         assert _native.disabled(variable) is False
     assert _cudart.disabled is _native.disabled
+
+
+def test_doctor_says_which_paths_are_native_and_why_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from kvtier_async.cli import main
+
+    assert main(["doctor", "--json"]) == 0
+    checks = {c["part"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert set(checks) == {"fs tier batch I/O", "host block copies", "CUDA runtime",
+                           "Triton swap kernel", "obj tier (S3)", "vLLM connector"}  # fmt: skip
+    if REQUIRED:
+        assert checks["fs tier batch I/O"]["path"].startswith("native(")
+        assert checks["host block copies"]["path"] == "native"
+    monkeypatch.setenv("KVTIER_NATIVE_DIR", str(tmp_path))  # as if built without a compiler
+    monkeypatch.setenv("KVTIER_NATIVE_COPY", "0")
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    fs_line = next(line for line in lines if line.startswith("fs tier batch I/O"))
+    assert " python " in fs_line and "was not built with the package" in fs_line
+    copy_line = next(line for line in lines if line.startswith("host block copies"))
+    assert " memmove " in copy_line and "KVTIER_NATIVE_COPY=0" in copy_line

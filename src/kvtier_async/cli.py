@@ -125,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--turns", type=_positive, default=5, help="turns each, default 5")
     show.set_defaults(command=_demo)
     commands.add_parser("version", help="print the version").set_defaults(command=_version)
+    doctor = commands.add_parser("doctor", help="which paths are native here, and why not")
+    doctor.add_argument("--json", action="store_true", help="print one JSON document")
+    doctor.set_defaults(command=_doctor)
     tiny = commands.add_parser(
         "tiny-model", help="write a tiny Llama-style model (random weights) for vLLM's CPU build"
     )
@@ -437,6 +440,22 @@ def _regions_args(args: argparse.Namespace) -> int:
 _inspect = _operation("inspect", _inspect_args)
 _gc = _operation("gc", _gc_args)
 _regions = _operation("regions", _regions_args)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    """``kvtier doctor``: one line per part (see `kvtier_async.doctor`)."""
+    from dataclasses import asdict
+
+    from kvtier_async import doctor
+
+    checks = doctor.report()
+    if args.json:
+        print(render.to_json({"checks": [asdict(c) for c in checks]}))
+        return 0
+    width = max(len(c.part) for c in checks)
+    for c in checks:
+        print(f"{c.part:<{width}}  {c.path}  ({c.detail})")
+    return 0
 
 
 def _version(args: argparse.Namespace) -> int:

@@ -3,9 +3,9 @@
 The path is picked once per process (`batch_copier`):
 
 * ``native``: a short C loop of ``memmove`` over the plan's arrays (joining runs that
-  continue each other, so plans need not be merged first), compiled on first
-  use (`kvtier_async._native.build_library`) and called through ctypes, which releases
-  the GIL for the whole batch.
+  continue each other, so plans need not be merged first), ``_batch_copy.c`` beside this
+  file, built with the package (`kvtier_async._native.load_library`), called through
+  ctypes, which releases the GIL for the whole batch.
 * ``memmove``: a Python loop calling ``ctypes.memmove`` once per (merged) run. Each call
   costs about 0.7 us of Python and ctypes here, as much as copying 8 KiB, so batches of
   small scattered pages reach only a third of memcpy speed this way; from 256 KiB pages up
@@ -50,24 +50,7 @@ log = get_logger(__name__)
 
 BatchCopier = Callable[[CopyPlan], None]
 
-_SOURCE: Final = r"""
-#include <stdint.h>
-#include <string.h>
-
-/* Copy n byte runs: size[i] bytes from address src[i] to address dst[i]. Runs that
-   continue the previous one on both sides are joined into one memmove. */
-void kvtier_batch_copy(const int64_t *src, const int64_t *dst, const int64_t *size,
-                       int64_t n) {
-    int64_t i = 0;
-    while (i < n) {
-        int64_t s = src[i], d = dst[i], k = size[i];
-        while (i + 1 < n && src[i + 1] == s + k && dst[i + 1] == d + k)
-            k += size[++i];
-        memmove((void *)(intptr_t)d, (const void *)(intptr_t)s, (size_t)k);
-        ++i;
-    }
-}
-"""
+MODULE: Final = "kvtier_async.transfer._batch_copy"  # _batch_copy.c, built with the package
 _SYMBOL: Final = "kvtier_batch_copy"
 
 
@@ -81,11 +64,11 @@ def memmove_copier(plan: CopyPlan) -> None:
 
 @functools.cache
 def native_copier() -> BatchCopier | None:
-    """The compiled batch copy, or None when it is disabled or cannot be built."""
+    """The built batch copy, or None when it is disabled or was not built with the package."""
     if disabled("KVTIER_NATIVE_COPY"):
         return None
     try:
-        library = load_library("batch_copy", _SOURCE)
+        library = load_library(MODULE)
     except BUILD_ERRORS as exc:
         log.info("native batch copy unavailable; using a ctypes.memmove loop", error=str(exc))
         return None

@@ -33,12 +33,13 @@ import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Final
 
 import crc32c
 
 from kvtier_async._log import get_logger
 from kvtier_async._native import BUILD_ERRORS, disabled, load_library
-from kvtier_async.tiers.fs.native_source import FLAGS, KIND_LOAD, KIND_STORE, SOURCE
+from kvtier_async.tiers.fs.native_source import KIND_LOAD, KIND_STORE
 
 __all__ = [
     "FsIo",
@@ -51,6 +52,8 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
+
+MODULE: Final = "kvtier_async.tiers.fs._fsio"  # _fsio.c, built with the package
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -180,11 +183,11 @@ class PoolClosedError(RuntimeError):
 @functools.cache
 def native_fsio() -> FsIo | None:
     """The compiled helper, or None when disabled (``KVTIER_NATIVE_FS=0``), not Linux, or
-    it cannot be built, or its CRC-32C disagrees with the ``crc32c`` package."""
+    it was not built with the package, or its CRC-32C disagrees with the ``crc32c`` package."""
     if disabled("KVTIER_NATIVE_FS") or not hasattr(os, "O_DIRECT"):
         return None
     try:
-        library = load_library("fsio", SOURCE, FLAGS)
+        library = load_library(MODULE)
     except BUILD_ERRORS as exc:
         log.info("native fs I/O unavailable; using the Python path", error=str(exc))
         return None
