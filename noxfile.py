@@ -12,6 +12,7 @@ needs only ruff and gets its own small environment.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -194,6 +195,60 @@ def sanitize(session: nox.Session) -> None:
     }
     session.run(tool("python"), "-m", *PYTEST, "-q", "-m", "not gpu and not e2e",
                 *SANITIZED_TESTS, *session.posargs, env=env, external=True)  # fmt: skip
+
+
+@nox.session(python=False)
+def wheel(session: nox.Session) -> None:
+    """The package as users get it: build the sdist, build the wheel from it, install the
+    wheel (not editable) into a fresh environment with the base dependencies only, run
+    ``kvtier doctor``, ``kvtier demo`` and a smoke test of the async API with an fs tier,
+    check it installs no top-level name but ``kvtier_async``; then add the ``[s3]`` extra
+    (and moto's server) and run the smoke test over an obj tier."""
+    shared(session)  # its setuptools builds the sdist
+    dist = ROOT / ".nox" / "dist"
+    venv = ROOT / ".nox" / "wheel-env"
+    shutil.rmtree(dist, ignore_errors=True)
+    shutil.rmtree(venv, ignore_errors=True)
+    dist.mkdir(parents=True)
+    build_sdist = f"import setuptools.build_meta as b; print(b.build_sdist({str(dist)!r}))"
+    session.run(tool("python"), "-c", build_sdist, external=True)
+    (sdist,) = dist.glob("kvtier_async-*.tar.gz")
+    session.run(tool("python"), "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist),
+                str(sdist), external=True, env=STRICT_C)  # fmt: skip
+    (built,) = dist.glob("kvtier_async-*.whl")
+    interpreter = shutil.which(f"python{PYTHON}")
+    if interpreter is None:
+        session.error(f"python{PYTHON} is needed and was not found on PATH")
+    session.run(interpreter, "-m", "venv", str(venv), external=True)
+    python = str(venv / "bin" / "python")
+    pip = (python, "-m", "pip", "install", "-q")
+    session.run(*pip, TORCH, external=True)
+    session.run(*pip, str(built), external=True)
+    tops = (
+        "import importlib.metadata as m; "
+        "print(sorted({str(f).split('/')[0] for f in m.files('kvtier-async') "
+        "if not str(f).split('/')[0].endswith('.dist-info') and not str(f).startswith('..')}))"
+    )
+    listed = session.run(python, "-c", tops, silent=True, external=True)
+    if listed is not None and listed.strip() != "['kvtier_async']":
+        session.error(f"the wheel installs other top-level names: {listed.strip()}")
+    kvtier = str(venv / "bin" / "kvtier")
+    smoke = str(ROOT / "ci" / "wheel-smoke.py")
+    outside = venv  # not the checkout: kvtier_async must come from the wheel
+    with session.chdir(outside):
+        session.run(kvtier, "doctor", external=True)
+        report = session.run(kvtier, "doctor", "--json", silent=True, external=True)
+        if report is not None and shutil.which(os.environ.get("CC", "cc")):
+            paths = {c["part"]: c["path"] for c in json.loads(report)["checks"]}
+            if (
+                not paths["fs tier batch I/O"].startswith("native")
+                or paths["host block copies"] != "native"
+            ):
+                session.error(f"the wheel was built with a compiler but runs {paths}")
+        session.run(kvtier, "demo", external=True)
+        session.run(python, smoke, "fs", external=True)
+        session.run(*pip, f"{built}[s3]", "moto[server]", external=True)
+        session.run(python, smoke, "s3", external=True)
 
 
 @nox.session(python=False)
