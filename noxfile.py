@@ -58,6 +58,7 @@ C_HELPERS = {
 SANITIZE = ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
             "-fno-omit-frame-pointer", "-O1", "-g")  # fmt: skip
 # What runs the C paths: the fs tier (both I/O paths, each C call), the host copies, the loader.
+S3_STACK = ("aioboto3", "aiobotocore", "boto3", "botocore", "s3transfer", "moto")
 SANITIZED_TESTS = ("tests/test_tier_fs.py", "tests/test_native.py", "tests/test_beneath.py")
 
 
@@ -222,6 +223,15 @@ def wheel(session: nox.Session) -> None:
     session.run(interpreter, "-m", "venv", str(venv), external=True)
     python = str(venv / "bin" / "python")
     pip = (python, "-m", "pip", "install", "-q")
+    # The S3 stack's versions from the shared environment as constraints: pip resolves at once
+    # (unpinned, it backtracks through every aiobotocore for aioboto3 beside moto), and the
+    # wheel is tested against what the suites ran with. (Not the rest: vLLM's requirements,
+    # installed there without their resolver, need not agree with aiobotocore's.)
+    frozen = session.run(tool("python"), "-m", "pip", "freeze", silent=True, external=True)
+    constraints = dist / "constraints.txt"
+    pinned = [x for x in (frozen or "").splitlines() if x.partition("==")[0].lower() in S3_STACK]
+    constraints.write_text("\n".join(pinned) + "\n")
+    pip = (*pip, "-c", str(constraints))
     session.run(*pip, TORCH, external=True)
     session.run(*pip, str(built), external=True)
     tops = (
