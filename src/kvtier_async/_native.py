@@ -36,8 +36,7 @@ __all__ = ["BUILD_ERRORS", "NativeUnavailableError", "disabled", "library_path",
 log = get_logger(__name__)
 
 _NOT_BUILT: Final = (
-    "{} was not built with the package (no C compiler at install?); reinstall with one to "
-    "use it"
+    "{} was not built with the package (no C compiler at install?); reinstall with one to use it"
 )
 _READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
