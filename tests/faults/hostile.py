@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,19 +56,18 @@ TRIES = 20
 
 
 def run(seed: int) -> Iterator[Row]:
-    for trial in (special_files, links_below_the_root, same_instance_id, read_only_loads):
-        row = trial.row()  # type: ignore[attr-defined]
+    trials: list[tuple[str, Callable[[Row, str], Awaitable[None]]]] = [
+        ("hostile: FIFO, /dev/zero link, outside link, directory at a block's name", special_files),
+        ("hostile: rank and fan-out dirs linked outside, tier GC and kvtier gc",
+         links_below_the_root),
+        ("hostile: a second cache with a live cache's instance_id", same_instance_id),
+        ("hostile: loads into read-only buffers, bytes and read-only mappings", read_only_loads),
+    ]  # fmt: skip
+    for fault, trial in trials:
+        row = Row(fault, bound_s=BOUND_S, bounds=[LOCAL_BOUNDS])
         with guard(row):
             anyio.run(trial, row, f"{seed}-{trial.__name__}")
         yield row
-
-
-def _row(fault: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def attach(trial: Callable[..., Any]) -> Callable[..., Any]:
-        trial.row = lambda: Row(fault, bound_s=BOUND_S, bounds=[LOCAL_BOUNDS])  # type: ignore[attr-defined]
-        return trial
-
-    return attach
 
 
 # -- special files at a block's name ---------------------------------------------------------
@@ -89,7 +88,6 @@ def _plant(kind: str, path: Path, outside: Path) -> None:
 KINDS = ("fifo", "link to /dev/zero", "link outside the root", "directory")
 
 
-@_row("hostile: FIFO, /dev/zero link, outside link, directory at a block's name")
 async def special_files(row: Row, seed: str) -> None:
     root = private_dir(DISK, "hostile")
     outside = root.parent / f"{root.name}-outside.bin"
@@ -121,7 +119,6 @@ async def special_files(row: Row, seed: str) -> None:
 # -- links below the root --------------------------------------------------------------------
 
 
-@_row("hostile: rank and fan-out dirs linked outside, tier GC and kvtier gc")
 async def links_below_the_root(row: Row, seed: str) -> None:
     base = private_dir(DISK, "hostile-links")
     try:
@@ -163,7 +160,6 @@ async def links_below_the_root(row: Row, seed: str) -> None:
 # -- a second cache with the same instance_id ------------------------------------------------
 
 
-@_row("hostile: a second cache with a live cache's instance_id")
 async def same_instance_id(row: Row, seed: str) -> None:
     config = cache_config(BLOCK, 8, instance_id=f"hostile-{os.getpid()}")
     calls = Calls(row)
@@ -209,7 +205,6 @@ def _destinations(data: bytes) -> list[tuple[str, Any]]:
     return out
 
 
-@_row("hostile: loads into read-only buffers, bytes and read-only mappings")
 async def read_only_loads(row: Row, seed: str) -> None:
     calls = Calls(row)
     async with Watched(cache_config(BLOCK, 8)) as cache:

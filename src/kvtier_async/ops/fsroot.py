@@ -84,7 +84,7 @@ def check_root(path: str) -> str:
 def walk(path: str) -> Root:
     """Everything below the root directory ``path`` (see the module docstring)."""
     root = Root(check_root(path), "fs")
-    for relpath, st in _entries(path, ""):
+    for relpath, st in beneath.walk(path):  # a link below the root: listed, never entered
         name = os.path.basename(relpath)
         regular = stat.S_ISREG(st.st_mode)
         writer = temp_writer(name) if TEMP_RE.fullmatch(name) else ""
@@ -94,13 +94,6 @@ def walk(path: str) -> Root:
     for ns in root.namespaces.values():
         _read_config(path, ns)
     return root
-
-
-def _entries(top: str, relative: str) -> Iterator[tuple[str, os.stat_result]]:
-    """``(relative path, lstat)`` of every non-directory below ``top/relative``, depth
-    first, through directory descriptors: a link below the root is listed, never entered
-    (`kvtier_async._beneath.walk`); what vanishes on the way is skipped."""
-    return beneath.walk(top, relative)
 
 
 def _read_config(top: str, ns: Namespace) -> None:
@@ -271,7 +264,12 @@ def repair(path: str, damaged: Sequence[Damage]) -> tuple[list[Damage], list[Dam
 
 def _still_there(path: str, relpath: str) -> bool:
     parent, _, name = relpath.rpartition("/")
-    return any(entry == name for entry, _ in _listing(path, parent))
+    try:
+        with beneath.opened_dir(path, parent) as fd:
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except (FileNotFoundError, beneath.LinkBelowRootError):
+        return False
+    return True
 
 
 def _listing(path: str, relative: str) -> list[tuple[str, os.stat_result]]:
