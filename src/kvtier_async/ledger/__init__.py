@@ -26,10 +26,9 @@ from .policies import (
     LRUPolicy,
     RequestAccess,
     SlotTable,
-    check_policy,
-    make_policy,
 )
 from .primary import LedgerStatistics, PrimaryLedger
+from .registry import check_policy, make_policy
 from .tiering import StorePolicy, TierCounters, TieringLedger, TierTask
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Eviction policies of the primary ledger: LRU, ARC, prefix, or your own by module path.
+"""Eviction policies of the primary ledger: the base classes, LRU and ARC; `registry` builds
+them and ``prefix`` (in `prefix_policy`) by name, or your own by module path.
 
 Theory of operation
 -------------------
@@ -45,7 +46,6 @@ prefixes by decayed frequency, ARC's adaptive split between the two) and takes t
 
 from __future__ import annotations
 
-import importlib
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -60,8 +60,6 @@ __all__ = [
     "LRUPolicy",
     "RequestAccess",
     "SlotTable",
-    "check_policy",
-    "make_policy",
 ]
 
 
@@ -546,47 +544,3 @@ def arc_choose(
         recent_size -= from_recent
         victims.append((key, from_recent))
     return victims
-
-
-from .prefix_policy import PrefixPolicy  # noqa: E402 -- it builds on the classes above
-
-_BUILTIN: dict[str, type[CachePolicy]] = {
-    "lru": LRUPolicy,
-    "arc": ARCPolicy,
-    "prefix": PrefixPolicy,
-}
-
-
-def make_policy(name: str, capacity: int, table: SlotTable) -> CachePolicy:
-    """Build a policy by name (``lru``, ``arc``, ``prefix``) or by ``package.module:ClassName``."""
-    cls = _BUILTIN.get(name)
-    if cls is None:
-        try:
-            cls = _import_policy(name)
-        except ValueError as exc:
-            raise ValueError(f"eviction_policy {exc}") from exc.__cause__
-    return cls(capacity, table)
-
-
-def check_policy(name: str) -> str:
-    """``name`` if it names a policy (built in, or a `CachePolicy` subclass that imports);
-    else `ValueError` saying what is allowed. For config validation, before any state."""
-    if name not in _BUILTIN:
-        _import_policy(name)
-    return name
-
-
-def _import_policy(path: str) -> type[CachePolicy]:
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"must be one of {sorted(_BUILTIN)} or 'package.module:ClassName', got {path!r}"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:  # ModuleNotFoundError included
-        raise ValueError(f"{path!r}: module {module_name!r} cannot be imported ({exc})") from exc
-    cls = getattr(module, attr, None)
-    if not (isinstance(cls, type) and issubclass(cls, CachePolicy)):
-        raise ValueError(f"{path!r} does not name a CachePolicy subclass")
-    return cls

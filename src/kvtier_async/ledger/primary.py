@@ -69,7 +69,8 @@ from typing import NamedTuple, cast
 import numpy as np
 
 from ._types import CPUSpec, LedgerError, LookupResult, Medium, OffloadingEvent, PrepareStoreOutput
-from .policies import CachePolicy, RequestAccess, SlotTable, make_policy
+from .policies import CachePolicy, RequestAccess, SlotTable
+from .registry import make_policy
 
 __all__ = ["LedgerStatistics", "PrimaryLedger"]
 

@@ -1,0 +1,56 @@
+"""Policies by name: the built-in ones (``lru``, ``arc``, ``prefix``) and any
+``package.module:ClassName`` that names a `CachePolicy` subclass.
+
+Apart from the policies so that each policy module builds only on `policies` (the base
+classes and vLLM's two) and nothing imports in a circle.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .policies import ARCPolicy, CachePolicy, LRUPolicy, SlotTable
+from .prefix_policy import PrefixPolicy
+
+__all__ = ["check_policy", "make_policy"]
+
+_BUILTIN: dict[str, type[CachePolicy]] = {
+    "lru": LRUPolicy,
+    "arc": ARCPolicy,
+    "prefix": PrefixPolicy,
+}
+
+
+def make_policy(name: str, capacity: int, table: SlotTable) -> CachePolicy:
+    """Build a policy by name (``lru``, ``arc``, ``prefix``) or by ``package.module:ClassName``."""
+    cls = _BUILTIN.get(name)
+    if cls is None:
+        try:
+            cls = _import_policy(name)
+        except ValueError as exc:
+            raise ValueError(f"eviction_policy {exc}") from exc.__cause__
+    return cls(capacity, table)
+
+
+def check_policy(name: str) -> str:
+    """``name`` if it names a policy (built in, or a `CachePolicy` subclass that imports);
+    else `ValueError` saying what is allowed. For config validation, before any state."""
+    if name not in _BUILTIN:
+        _import_policy(name)
+    return name
+
+
+def _import_policy(path: str) -> type[CachePolicy]:
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"must be one of {sorted(_BUILTIN)} or 'package.module:ClassName', got {path!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:  # ModuleNotFoundError included
+        raise ValueError(f"{path!r}: module {module_name!r} cannot be imported ({exc})") from exc
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, CachePolicy)):
+        raise ValueError(f"{path!r} does not name a CachePolicy subclass")
+    return cls
