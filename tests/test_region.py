@@ -37,6 +37,7 @@ from kvtier_async.memory import (
     region_path,
     remove_stale_regions,
 )
+from kvtier_async.memory import _create as create_module
 from kvtier_async.memory import region as region_module
 
 SHM = Path("/dev/shm")
@@ -236,7 +237,7 @@ def test_waiter_fails_fast_when_creator_unlinks(
     path = region_path(shm_dir, iid)
     path.touch(mode=0o600)
     # the creator fails (and unlinks the file) while we poll
-    monkeypatch.setattr(region_module, "_sleep", lambda _s: path.unlink())
+    monkeypatch.setattr(create_module, "_sleep", lambda _s: path.unlink())
     with pytest.raises(RegionError, match="removed before it was ready"):
         SharedRegion(iid, 4, 8, directory=shm_dir, wait_timeout_s=WAIT_S)
 
@@ -458,7 +459,7 @@ def test_restart_after_sigkill_reclaims_the_region(
 ) -> None:
     dead_inode = _kill_a_creator(iid, shm_dir)
     # same instance_id, another layout: the dead region is removed, a new one created
-    with caplog.at_level(logging.WARNING, logger="kvtier_async.memory.region"):
+    with caplog.at_level(logging.WARNING, logger="kvtier_async.memory._reclaim"):
         region = SharedRegion(iid, 4, 8, directory=shm_dir, wait_timeout_s=WAIT_S)
     with region:
         assert region.is_creator and region.num_slots == 4

@@ -31,8 +31,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OwnerRecord", "is_alive", "read_owner", "read_owner_fd", "write_owner"]
+__all__ = [
+    "OWNER_SUFFIX",
+    "OwnerRecord",
+    "is_alive",
+    "owner_path",
+    "read_owner",
+    "read_owner_fd",
+    "write_owner",
+]
 
+OWNER_SUFFIX = ".owner"
 _VERSION = 1
 _MAX_BYTES = 4096  # a record is about 200 bytes
 _PROC = Path("/proc")
@@ -74,6 +83,11 @@ class OwnerRecord:
             row_bytes=row_bytes,
             token=token,
         )
+
+
+def owner_path(region: Path) -> Path:
+    """Where the owner record of the region file ``region`` lives (beside it)."""
+    return region.with_name(region.name + OWNER_SUFFIX)
 
 
 def write_owner(path: Path, record: OwnerRecord) -> None:
