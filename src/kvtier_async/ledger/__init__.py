@@ -19,14 +19,10 @@ from ._types import (
     make_offload_keys,
     split_offload_key,
 )
+from .arc import ARCPolicy
 from .keys import prefix_keys
-from .policies import (
-    ARCPolicy,
-    CachePolicy,
-    LRUPolicy,
-    RequestAccess,
-    SlotTable,
-)
+from .lru import LRUPolicy
+from .policy import CachePolicy, RequestAccess, SlotTable
 from .primary import LedgerStatistics, PrimaryLedger
 from .registry import check_policy, make_policy
 from .tiering import StorePolicy, TierCounters, TieringLedger, TierTask

@@ -74,7 +74,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 
-from .policies import CachePolicy, RequestAccess, SlotTable, arc_choose
+from .arc import arc_choose
+from .policy import CachePolicy, RequestAccess, SlotTable
 
 __all__ = ["PrefixPolicy"]
 

@@ -1,15 +1,17 @@
 """Policies by name: the built-in ones (``lru``, ``arc``, ``prefix``) and any
 ``package.module:ClassName`` that names a `CachePolicy` subclass.
 
-Apart from the policies so that each policy module builds only on `policies` (the base
-classes and vLLM's two) and nothing imports in a circle.
+Apart from the policies so that each policy module builds only on `policy` (the base
+classes) and nothing imports in a circle.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from .policies import ARCPolicy, CachePolicy, LRUPolicy, SlotTable
+from .arc import ARCPolicy
+from .lru import LRUPolicy
+from .policy import CachePolicy, SlotTable
 from .prefix_policy import PrefixPolicy
 
 __all__ = ["check_policy", "make_policy"]
