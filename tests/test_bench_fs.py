@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier_async.bench import fs as bench_fs
+from kvtier_async.bench import fs_kit
 from kvtier_async.bench import fs_tmpfs as bench_fs_tmpfs
 
 
@@ -52,7 +53,7 @@ def test_truncate_all_frees_space_but_keeps_the_files(tmp_path: Path) -> None:
 
 
 def test_journal_check_is_false_off_ext4() -> None:
-    assert bench_fs._mount("/dev/shm")[1] == "tmpfs"
+    assert fs_kit.mount("/dev/shm")[1] == "tmpfs"
     assert not bench_fs._ext4_without_journal("/dev/shm")
 
 
@@ -64,7 +65,7 @@ def test_quick_tmpfs_cases_have_every_row_and_no_verdict(
     before = set(os.listdir(bench_fs_tmpfs.TMPFS_BASE))
     notes: list[str] = []
     records = bench_fs.run(quick=True, progress=notes.append)
-    vllm = bench_fs._VllmFs.load() is not None
+    vllm = fs_kit.VllmFs.load() is not None
     rows = (" vs vllm", " CPU vs vllm", " vs memcpy") if vllm else (" vs memcpy",)
     assert [r.case for r in records] == [
         f"{direction} {size} tmpfs{path}{row}"

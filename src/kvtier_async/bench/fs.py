@@ -51,34 +51,40 @@ not lower it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import random
-import resource
 import shutil
-import statistics
 import subprocess
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import anyio
 
 from kvtier_async.ledger import make_offload_key
 from kvtier_async.memory import SharedRegion
 from kvtier_async.tiers._checksum import checksum
-from kvtier_async.tiers.base import TierContext
-from kvtier_async.tiers.fs import DEFAULT_READ_WORKERS, DEFAULT_WRITE_WORKERS, FsTier
 
+from .fs_kit import (
+    GB,
+    JOB_BLOCKS,
+    STREAMS,
+    Phase,
+    Samples,
+    VllmFs,
+    filled_region,
+    fs_type,
+    mount,
+    notes,
+    run_ours,
+    sample,
+    size_label,
+)
+from .fs_tmpfs import run_tmpfs
 from .report import BenchRecord, as_quick, latency_record, throughput_record
 
 __all__ = ["JOB_BLOCKS", "REPEATS", "STREAMS", "run"]
 
-STREAMS = 16  # dd processes; vLLM threads each way (its defaults)
-JOB_BLOCKS = 16  # blocks per store / load call (one engine job)
 REPEATS = 5
 BLOCK_SIZES = (256 << 10, 2 << 20)
 PLACES = ("disk", "tmpfs")  # the disk cases (this module), the tmpfs ones (`fs_tmpfs`)
@@ -87,64 +93,27 @@ QUICK_TOTAL_BYTES = 128 << 20
 DD_TARGET = 0.9
 VLLM_TARGET = 1.2
 DD_NAME = f"{STREAMS} parallel dd, oflag/iflag=direct"
-_GB = 1e9
-
-
-@dataclass(frozen=True)
-class _Phase:
-    """One store or load phase: wall seconds, and this process's CPU seconds (all threads;
-    None for ``dd``, which runs in other processes)."""
-
-    seconds: float
-    cpu: float | None = None
-
-
-@contextlib.contextmanager
-def _stopwatch(phase: list[_Phase]) -> Iterator[None]:
-    """Append the wall and process CPU time of the ``with`` body to ``phase``."""
-    started, cpu = time.perf_counter(), _cpu_seconds()
-    yield
-    phase.append(_Phase(time.perf_counter() - started, _cpu_seconds() - cpu))
-
-
-def _cpu_seconds() -> float:
-    """User + system CPU time of this process, all threads (microsecond resolution)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-@dataclass
-class _Samples:
-    """Each side's figures (GB/s, CPU seconds per GB) over the repetitions, by name."""
-
-    values: dict[str, list[float]]
-
-    def add(self, name: str, value: float) -> None:
-        self.values.setdefault(name, []).append(value)
-
-    def median(self, name: str) -> float:
-        return statistics.median(self.values[name])
 
 
 def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRecord]:
     note = progress or (lambda _msg: None)
-    vllm = _VllmFs.load()
+    vllm = VllmFs.load()
     records: list[BenchRecord] = []
     if "disk" in PLACES:
         records += _run_disk(quick, vllm, note)
     if "tmpfs" in PLACES:
-        from .fs_tmpfs import run_tmpfs  # it imports this module
-
-        records += run_tmpfs(quick=quick, vllm=vllm, note=note)
+        total = QUICK_TOTAL_BYTES if quick else TOTAL_BYTES
+        repeats = 1 if quick else REPEATS
+        records += run_tmpfs(BLOCK_SIZES, total, repeats, vllm=vllm, note=note)
     return as_quick(records) if quick else records
 
 
-def _run_disk(quick: bool, vllm: _VllmFs | None, note: Callable[[str], None]) -> list[BenchRecord]:
+def _run_disk(quick: bool, vllm: VllmFs | None, note: Callable[[str], None]) -> list[BenchRecord]:
     total = QUICK_TOTAL_BYTES if quick else TOTAL_BYTES
     repeats = 1 if quick else REPEATS
     records: list[BenchRecord] = []
     with _workdir() as workdir:
-        note(f"fs: working in {workdir} ({_fs_type(workdir)})")
+        note(f"fs: working in {workdir} ({fs_type(workdir)})")
         if _ext4_without_journal(workdir):
             note(
                 "fs: ext4 without a journal here: file creation is slow for 1-6 minutes after"
@@ -162,20 +131,20 @@ def _run_size(
     block_bytes: int,
     total: int,
     repeats: int,
-    vllm: _VllmFs | None,
+    vllm: VllmFs | None,
     note: Callable[[str], None],
 ) -> list[BenchRecord]:
     count = total // block_bytes
-    label = _size_label(block_bytes)
-    samples = _Samples({})
-    with _filled_region(count, block_bytes) as region:
+    label = size_label(block_bytes)
+    samples = Samples({})
+    with filled_region(count, block_bytes) as region:
         keys = [make_offload_key(random.randbytes(32), 0) for _ in range(count)]
-        expected = {i: checksum(region.slot_view(i)) for i in _sample(count)}
+        expected = {i: checksum(region.slot_view(i)) for i in sample(count)}
         mode = ""
         for rep in range(repeats):
             note(f"fs: {label} repetition {rep + 1}/{repeats}")
             figures = _one_round(workdir, region, keys, vllm, rep)
-            gigabytes = len(keys) * block_bytes / _GB
+            gigabytes = len(keys) * block_bytes / GB
             for name, phases in figures.items():
                 for direction, phase in zip(("store", "load"), phases, strict=True):
                     samples.add(f"{name} {direction}", gigabytes / phase.seconds)
@@ -193,13 +162,13 @@ def _run_size(
 
 
 def _one_round(
-    workdir: str, region: SharedRegion, keys: Sequence[bytes], vllm: _VllmFs | None, rep: int
-) -> dict[str, tuple[_Phase, _Phase]]:
+    workdir: str, region: SharedRegion, keys: Sequence[bytes], vllm: VllmFs | None, rep: int
+) -> dict[str, tuple[Phase, Phase]]:
     """Each side once, in an order rotated by ``rep``, each in a fresh directory."""
     block_bytes, total = region.slot_bytes, len(keys) * region.slot_bytes
-    sides: dict[str, Callable[[str], tuple[_Phase, _Phase]]] = {
+    sides: dict[str, Callable[[str], tuple[Phase, Phase]]] = {
         "dd": lambda directory: _dd(directory, block_bytes, total),
-        "ours": lambda directory: anyio.run(_ours, directory, region, keys),
+        "ours": lambda directory: anyio.run(run_ours, directory, region, keys),
     }
     if vllm is not None:
         sides["vllm"] = lambda directory: vllm.measure(directory, region, keys)
@@ -208,7 +177,7 @@ def _one_round(
     return {name: sides[name](_fresh_dir(workdir, name)) for name in names}
 
 
-def _records(label: str, samples: _Samples, mode: str, vllm: _VllmFs | None) -> list[BenchRecord]:
+def _records(label: str, samples: Samples, mode: str, vllm: VllmFs | None) -> list[BenchRecord]:
     records = []
     for direction in ("store", "load"):
         ours = samples.median(f"ours {direction}")
@@ -249,75 +218,12 @@ def _records(label: str, samples: _Samples, mode: str, vllm: _VllmFs | None) -> 
     return records
 
 
-# -- ours ------------------------------------------------------------------------------------
-
-
-@dataclass
-class _OursNotes:
-    """What the last run of ours saw: the tier's ``detail`` and our files' page-cache bytes."""
-
-    detail: str = ""
-    cached_bytes: int = -1
-
-
-_notes = _OursNotes()
-
-
-async def _ours(
-    directory: str, region: SharedRegion, keys: Sequence[bytes], memory: bool = False
-) -> tuple[_Phase, _Phase]:
-    """Store then load every block with our tier; ``memory``: on tmpfs (no sync, no page
-    cache check)."""
-    ctx = TierContext(block_bytes=region.slot_bytes)
-    tier = FsTier("bench", ctx, DEFAULT_READ_WORKERS, DEFAULT_WRITE_WORKERS, root_dir=directory)
-    await tier.open()
-    try:
-        views = [region.slot_view(i) for i in range(len(keys))]
-        store = await _drive(tier.store, keys, views, tier.write_workers)
-        if not memory:
-            await anyio.to_thread.run_sync(os.sync)
-            _notes.cached_bytes = await anyio.to_thread.run_sync(_cached_bytes, directory)
-        _scribble(views)
-        load = await _drive(tier.load, keys, views, tier.read_workers)
-        _notes.detail = tier.statistics().detail
-        del views
-    finally:
-        await tier.aclose()
-    return store, load
-
-
-async def _drive(
-    call: Callable[[Sequence[bytes], Sequence[memoryview]], Any],
-    keys: Sequence[bytes],
-    views: Sequence[memoryview],
-    tasks: int,
-) -> _Phase:
-    """Time for ``tasks`` tasks to push every job of JOB_BLOCKS blocks through ``call``."""
-    jobs = iter(range(0, len(keys), JOB_BLOCKS))
-    failures: list[int] = []
-
-    async def worker() -> None:
-        for start in jobs:
-            stop = start + JOB_BLOCKS
-            ok = await call(keys[start:stop], views[start:stop])
-            failures.extend(i for i, good in enumerate(ok, start) if not good)
-
-    phase: list[_Phase] = []
-    with _stopwatch(phase):
-        async with anyio.create_task_group() as tg:
-            for _ in range(tasks):
-                tg.start_soon(worker)
-    if failures:
-        raise RuntimeError(f"fs bench: {len(failures)} blocks failed, first {failures[0]}")
-    return phase[0]
-
-
 def _check_ours(region: SharedRegion, expected: dict[int, int], note: Callable[[str], None]) -> str:
     """Verify the sampled slots after our load; return the I/O mode for the case names."""
     bad = [i for i, value in expected.items() if checksum(region.slot_view(i)) != value]
     if bad:
         raise RuntimeError(f"fs bench: loaded blocks differ from stored ones: slots {bad[:5]}")
-    detail, cached = _notes.detail, _notes.cached_bytes
+    detail, cached = notes.detail, notes.cached_bytes
     cache = "not checked (no fincore)" if cached < 0 else f"{cached} bytes"
     note(f"fs: ours: {detail}; our files in the page cache after the store: {cache}")
     direct = "io=O_DIRECT" in detail
@@ -329,7 +235,7 @@ def _check_ours(region: SharedRegion, expected: dict[int, int], note: Callable[[
 # -- dd --------------------------------------------------------------------------------------
 
 
-def _dd(directory: str, block_bytes: int, total: int) -> tuple[_Phase, _Phase]:
+def _dd(directory: str, block_bytes: int, total: int) -> tuple[Phase, Phase]:
     count = total // block_bytes // STREAMS
     files = [os.path.join(directory, f"dd{i}") for i in range(STREAMS)]
     bs = f"bs={block_bytes}"
@@ -339,7 +245,7 @@ def _dd(directory: str, block_bytes: int, total: int) -> tuple[_Phase, _Phase]:
     os.sync()
     read_s = _parallel([["dd", f"if={f}", "of=/dev/null", bs, "iflag=direct"] for f in files])
     scale = total / (count * STREAMS * block_bytes)  # as if dd had moved ``total`` bytes
-    return _Phase(write_s * scale), _Phase(read_s * scale)
+    return Phase(write_s * scale), Phase(read_s * scale)
 
 
 def _parallel(commands: Sequence[Sequence[str]]) -> float:
@@ -352,78 +258,6 @@ def _parallel(commands: Sequence[Sequence[str]]) -> float:
     return elapsed
 
 
-# -- vLLM ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _VllmFs:
-    io: Any
-    pool_type: Any
-    name: str
-
-    @classmethod
-    def load(cls) -> _VllmFs | None:
-        try:
-            from vllm.v1.kv_offload.tiering.fs import io
-            from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
-        except ImportError:
-            return None
-        path = "C fs_io_C" if io._HAS_FSIO_C else "Python, fs_io_C unavailable"
-        name = f"vllm-0.33 tiering/fs io.py ({path}) + DualQueueThreadPool({STREAMS},{STREAMS})"
-        return cls(io, DualQueueThreadPool, name)
-
-    def measure(
-        self, directory: str, region: SharedRegion, keys: Sequence[bytes]
-    ) -> tuple[_Phase, _Phase]:
-        direct = bool(self.io.probe_o_direct(directory))
-        view = region.rows.cast("B")
-        row = region.row_bytes
-        jobs = [
-            ([_vllm_path(directory, k) for k in keys[s : s + JOB_BLOCKS]],
-             [i * row for i in range(s, min(s + JOB_BLOCKS, len(keys)))])
-            for s in range(0, len(keys), JOB_BLOCKS)
-        ]  # fmt: skip
-        pool = self.pool_type(STREAMS, STREAMS, thread_name_prefix="bench_vllm_fs")
-        try:
-            store = functools.partial(self.io.batch_store_block, block_size=region.slot_bytes)
-            write = _run_pool(pool, pool.enqueue_store, store, view, jobs, direct)
-            os.sync()
-            load = functools.partial(self.io.batch_load_block, block_size=region.slot_bytes)
-            read = _run_pool(pool, pool.enqueue_load, load, view, jobs, direct)
-        finally:
-            pool.shutdown(wait=True)
-            view.release()
-        return write, read
-
-
-def _vllm_path(directory: str, key: bytes) -> str:
-    """vLLM's FileMapper layout: ``<base>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin``."""
-    hash_hex, group = key[:-4].hex(), int.from_bytes(key[-4:], "big")
-    return (
-        f"{directory}/model_000000000000_r0/{hash_hex[:3]}/{hash_hex[3:5]}_g{group}/{hash_hex}.bin"
-    )
-
-
-def _run_pool(
-    pool: Any,
-    enqueue: Callable[..., None],
-    fn: Callable[..., None],
-    view: memoryview,
-    jobs: Sequence[tuple[list[str], list[int]]],
-    direct: bool,
-) -> _Phase:
-    phase: list[_Phase] = []
-    with _stopwatch(phase):
-        for job_id, (paths, offsets) in enumerate(jobs):
-            task = functools.partial(fn, paths, view, offsets, use_o_direct=direct)
-            enqueue(job_id, 1, [task])
-        pool.wait_idle()
-    failed = [job for job, ok, _t in pool.get_finished() if not ok]
-    if failed:
-        raise RuntimeError(f"fs bench: vLLM jobs failed: {failed[:5]}")
-    return phase[0]
-
-
 # -- helpers ---------------------------------------------------------------------------------
 
 
@@ -432,8 +266,8 @@ def _workdir() -> Iterator[str]:
     base = os.environ.get("KVTIER_BENCH_DIR", "/var/tmp")
     path = tempfile.mkdtemp(prefix="kvtier-bench-fs-", dir=base)
     try:
-        if _fs_type(path) in ("tmpfs", "ramfs"):
-            raise RuntimeError(f"fs bench needs a real disk, {base} is {_fs_type(path)}")
+        if fs_type(path) in ("tmpfs", "ramfs"):
+            raise RuntimeError(f"fs bench needs a real disk, {base} is {fs_type(path)}")
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
@@ -455,7 +289,7 @@ def _truncate_all(directory: str) -> None:
 
 def _ext4_without_journal(path: str) -> bool:
     """Whether ``path`` is on ext4 with no jbd2 journal (``/proc/fs/jbd2/<dev>-8`` absent)."""
-    device, kind = _mount(path)
+    device, kind = mount(path)
     if kind != "ext4" or not os.path.isdir(f"/proc/fs/ext4/{device}"):
         return False
     try:
@@ -463,71 +297,3 @@ def _ext4_without_journal(path: str) -> bool:
     except OSError:
         journals = []
     return not any(entry.startswith(f"{device}-") for entry in journals)
-
-
-@contextlib.contextmanager
-def _filled_region(count: int, block_bytes: int) -> Iterator[SharedRegion]:
-    region = SharedRegion(f"bench-fs-{uuid.uuid4().hex[:12]}", count, block_bytes)
-    try:
-        pattern = random.randbytes(1 << 20)
-        for i in range(count):
-            view = region.slot_view(i)
-            for offset in range(0, block_bytes, len(pattern)):
-                chunk = min(len(pattern), block_bytes - offset)
-                view[offset : offset + chunk] = pattern[:chunk]
-            view[:8] = i.to_bytes(8, "little")  # every block differs
-            del view
-        yield region
-    finally:
-        region.close()
-
-
-def _scribble(views: Sequence[memoryview]) -> None:
-    """Overwrite each block's first bytes, so a load that did nothing fails the check."""
-    for view in views:
-        view[:8] = b"\xff" * 8
-
-
-def _sample(count: int) -> list[int]:
-    return sorted({0, count - 1, *random.sample(range(count), min(count, 64))})
-
-
-def _size_label(block_bytes: int) -> str:
-    return f"{block_bytes >> 20}MiB" if block_bytes >= 1 << 20 else f"{block_bytes >> 10}KiB"
-
-
-def _fs_type(path: str) -> str:
-    """The file system type of the mount holding ``path``."""
-    return _mount(path)[1]
-
-
-def _mount(path: str) -> tuple[str, str]:
-    """``(device name, file system type)`` of the mount holding ``path`` (/proc/self/mounts)."""
-    best, found = "", ("unknown", "unknown")
-    real = os.path.realpath(path)
-    with contextlib.suppress(OSError), open("/proc/self/mounts") as mounts:
-        for line in mounts:
-            fields = line.split()
-            mount = fields[1]
-            inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-            if inside and len(mount) >= len(best):
-                best, found = mount, (os.path.basename(fields[0]), fields[2])
-    return found
-
-
-def _cached_bytes(directory: str) -> int:
-    """Bytes of the ``.bin`` files under ``directory`` resident in the page cache (fincore);
-    -1 when ``fincore`` is unavailable."""
-    files = [
-        os.path.join(d, name) for d, _, names in os.walk(directory) for name in names
-        if name.endswith(".bin")
-    ][:512]  # fmt: skip
-    if not files or shutil.which("fincore") is None:
-        return -1
-    out = subprocess.run(
-        ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *files],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return sum(int(v) for v in out.stdout.split() if v.isdigit())

@@ -71,7 +71,19 @@ from kvtier_async.memory import SharedRegion
 from kvtier_async.tiers._checksum import checksum
 from kvtier_async.tiers.fs import files as fs_files
 
-from . import fs
+from .fs_kit import (
+    GB,
+    Phase,
+    Samples,
+    VllmFs,
+    filled_region,
+    fs_type,
+    notes,
+    run_ours,
+    sample,
+    size_label,
+    stopwatch,
+)
 from .report import BenchRecord, latency_record, throughput_record
 
 __all__ = ["MEMCPY_NAME", "TMPFS_BASE", "TMPFS_TARGET", "run_tmpfs"]
@@ -81,19 +93,23 @@ TMPFS_TARGET = 1.5
 MEMCPY_NAME = "memcpy of the same bytes (numpy copy, one thread)"
 _PATHS = {"ours": "", "python": " python path"}  # our sides, and how their rows are named
 
-Sides = dict[str, Callable[[str], tuple[fs._Phase, fs._Phase]]]
+Sides = dict[str, Callable[[str], tuple[Phase, Phase]]]
 
 
 def run_tmpfs(
-    *, quick: bool, vllm: fs._VllmFs | None, note: Callable[[str], None]
+    block_sizes: Sequence[int],
+    total: int,
+    repeats: int,
+    *,
+    vllm: VllmFs | None,
+    note: Callable[[str], None],
 ) -> list[BenchRecord]:
-    """The tmpfs cases of every block size in `fs.BLOCK_SIZES`."""
-    total = fs.QUICK_TOTAL_BYTES if quick else fs.TOTAL_BYTES
-    repeats = 1 if quick else fs.REPEATS
+    """The tmpfs cases of each block size: ``total`` bytes of blocks moved each way in each of
+    ``repeats`` repetitions (1: a quick run, without the warm-up round)."""
     records: list[BenchRecord] = []
     with _tmpfs_workdir() as workdir:
-        note(f"fs tmpfs: working in {workdir} ({fs._fs_type(workdir)})")
-        for block_bytes in fs.BLOCK_SIZES:
+        note(f"fs tmpfs: working in {workdir} ({fs_type(workdir)})")
+        for block_bytes in block_sizes:
             records += _run_size(workdir, block_bytes, total, repeats, vllm, note)
     return records
 
@@ -103,16 +119,16 @@ def _run_size(
     block_bytes: int,
     total: int,
     repeats: int,
-    vllm: fs._VllmFs | None,
+    vllm: VllmFs | None,
     note: Callable[[str], None],
 ) -> list[BenchRecord]:
     count = total // block_bytes
-    label = fs._size_label(block_bytes)
-    samples = fs._Samples({})
-    gigabytes = count * block_bytes / fs._GB
-    with fs._filled_region(count, block_bytes) as region:
+    label = size_label(block_bytes)
+    samples = Samples({})
+    gigabytes = count * block_bytes / GB
+    with filled_region(count, block_bytes) as region:
         keys = [make_offload_key(random.randbytes(32), 0) for _ in range(count)]
-        expected = {i: checksum(region.slot_view(i)) for i in fs._sample(count)}
+        expected = {i: checksum(region.slot_view(i)) for i in sample(count)}
         floor = np.ones(count * block_bytes, dtype=np.uint8)  # prefaulted
         sides = _sides(region, keys, expected, floor, vllm, note)
         for rep in range(0 if repeats == 1 else -1, repeats):  # -1: the warm-up round
@@ -134,12 +150,12 @@ def _sides(
     keys: Sequence[bytes],
     expected: dict[int, int],
     floor: np.ndarray,
-    vllm: fs._VllmFs | None,
+    vllm: VllmFs | None,
     note: Callable[[str], None],
 ) -> Sides:
-    def ours(directory: str, *, python: bool = False) -> tuple[fs._Phase, fs._Phase]:
+    def ours(directory: str, *, python: bool = False) -> tuple[Phase, Phase]:
         with _python_path() if python else contextlib.nullcontext():
-            phases = anyio.run(fs._ours, directory, region, keys, True)
+            phases = anyio.run(run_ours, directory, region, keys, True)
         _check(region, expected, note)
         return phases
 
@@ -153,7 +169,7 @@ def _sides(
     return sides
 
 
-def _one_round(workdir: str, sides: Sides, rep: int) -> dict[str, tuple[fs._Phase, fs._Phase]]:
+def _one_round(workdir: str, sides: Sides, rep: int) -> dict[str, tuple[Phase, Phase]]:
     """Each side once, in an order rotated by ``rep``, each in a fresh directory removed
     right after it (tmpfs holds the files in memory)."""
     names = list(sides)
@@ -168,7 +184,7 @@ def _one_round(workdir: str, sides: Sides, rep: int) -> dict[str, tuple[fs._Phas
     return figures
 
 
-def _summary(figures: dict[str, tuple[fs._Phase, fs._Phase]], gigabytes: float) -> str:
+def _summary(figures: dict[str, tuple[Phase, Phase]], gigabytes: float) -> str:
     """``name store/load GB/s (CPU s/GB store/load)`` for each side."""
     parts = []
     for name, (w, r) in figures.items():
@@ -177,7 +193,7 @@ def _summary(figures: dict[str, tuple[fs._Phase, fs._Phase]], gigabytes: float) 
     return "GB/s store/load: " + ", ".join(parts)
 
 
-def _records(label: str, samples: fs._Samples, vllm: fs._VllmFs | None) -> list[BenchRecord]:
+def _records(label: str, samples: Samples, vllm: VllmFs | None) -> list[BenchRecord]:
     records = []
     for direction in ("store", "load"):
         case = f"{direction} {label} tmpfs"
@@ -221,21 +237,21 @@ def _check(region: SharedRegion, expected: dict[int, int], note: Callable[[str],
     bad = [i for i, value in expected.items() if checksum(region.slot_view(i)) != value]
     if bad:
         raise RuntimeError(f"fs bench: loaded blocks differ from stored ones: slots {bad[:5]}")
-    detail = fs._notes.detail
+    detail = notes.detail
     if "io=buffered(tmpfs)" not in detail:
         raise RuntimeError(f"fs bench: the tier did not take its buffered path on tmpfs: {detail}")
     note(f"fs tmpfs: ours: {detail}")
 
 
-def _memcpy(region: SharedRegion, floor: np.ndarray) -> tuple[fs._Phase, fs._Phase]:
+def _memcpy(region: SharedRegion, floor: np.ndarray) -> tuple[Phase, Phase]:
     """One copy of the blocks' bytes into ``floor`` (as a store) and one back (as a load)."""
     view = region.rows.cast("B")
     try:
         slots = np.frombuffer(view, dtype=np.uint8, count=floor.nbytes)
-        phases: list[fs._Phase] = []
-        with fs._stopwatch(phases):
+        phases: list[Phase] = []
+        with stopwatch(phases):
             np.copyto(floor, slots)
-        with fs._stopwatch(phases):
+        with stopwatch(phases):
             np.copyto(slots, floor)
         del slots
     finally:
@@ -248,8 +264,8 @@ def _tmpfs_workdir() -> Iterator[str]:
     """A fresh private directory on tmpfs (``mkdtemp``: mode 0700), removed at the end."""
     path = tempfile.mkdtemp(prefix="kvtier-bench-fs-tmpfs-", dir=TMPFS_BASE)
     try:
-        if fs._fs_type(path) != "tmpfs":
-            raise RuntimeError(f"fs bench: {TMPFS_BASE} is {fs._fs_type(path)}, not tmpfs")
+        if fs_type(path) != "tmpfs":
+            raise RuntimeError(f"fs bench: {TMPFS_BASE} is {fs_type(path)}, not tmpfs")
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
