@@ -23,8 +23,8 @@ from _s3 import make_blocks, make_keys, opened
 from kvtier_async import _beneath as beneath
 from kvtier_async.cli import main
 from kvtier_async.ops import fsroot
-from kvtier_async.tiers.base import TierContext, block_relpath
-from kvtier_async.tiers.blockfile import HEADER_BYTES
+from kvtier_async.tiers.base import TierContext
+from kvtier_async.tiers.blockfile import HEADER_BYTES, block_relpath
 from kvtier_async.tiers.fs import FsTier
 from kvtier_async.tiers.fs.publish import UntrustedRootError
 

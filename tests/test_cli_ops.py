@@ -42,8 +42,8 @@ from kvtier_async.memory._owner import OwnerRecord, write_owner
 from kvtier_async.ops import fsroot, render, s3root
 from kvtier_async.ops.layout import Block, lru_victims
 from kvtier_async.ops.s3root import connect, parse_url
-from kvtier_async.tiers.base import TierContext, block_relpath
-from kvtier_async.tiers.blockfile import HEADER_BYTES
+from kvtier_async.tiers.base import TierContext
+from kvtier_async.tiers.blockfile import HEADER_BYTES, block_relpath
 from kvtier_async.tiers.fs import FsTier, tempfiles
 from kvtier_async.tiers.s3 import S3Config, S3Tier
 from test_tier_fs import VERDICTS, _craft

@@ -170,7 +170,7 @@ def test_the_factory_builds_the_tier() -> None:
 
 
 def test_object_names_are_the_fs_relative_paths() -> None:
-    from kvtier_async.tiers.base import block_relpath
+    from kvtier_async.tiers.blockfile import block_relpath
 
     key = make_keys(1, group=3)[0]
     tier = S3Tier("obj", CTX, config({"bucket": "kv", "prefix": "kv/cache"}))

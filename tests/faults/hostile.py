@@ -46,7 +46,7 @@ from faults._common import (
 )
 from kvtier_async.cli import main as kvtier
 from kvtier_async.memory import RegionClaimedError
-from kvtier_async.tiers.base import block_relpath
+from kvtier_async.tiers.blockfile import block_relpath
 
 BLOCK = 64 << 10
 TIER = "fs[0]"

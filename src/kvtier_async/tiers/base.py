@@ -20,7 +20,7 @@ worker threads (``anyio.to_thread.run_sync``). A tier reports per-key outcomes; 
 only when the whole call failed (the engine then fails every key of the job).
 
 A block's name below a tier's root is `block_relpath` (`kvtier_async.tiers.blockfile`, with
-the block file format; re-exported here), the same for fs and obj.
+the block file format), the same for fs and obj.
 """
 
 from __future__ import annotations
@@ -37,14 +37,12 @@ from typing import Any, ClassVar
 from kvtier_async._extras import S3 as S3_MODULES
 from kvtier_async._extras import MissingExtraError, require
 from kvtier_async.config import ConfigError, Section
-from kvtier_async.tiers.blockfile import block_relpath
 
 __all__ = [
     "FORMAT_VERSION",
     "SecondaryTier",
     "TierContext",
     "TierStatistics",
-    "block_relpath",
     "make_tier",
     "register_tier",
 ]
