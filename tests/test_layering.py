@@ -14,7 +14,9 @@ are command-line tools, at the level of ``cli``.
 
 The walk reads every ``import`` and ``from ... import`` of the source with `ast`, relative
 imports and imports under ``if TYPE_CHECKING:`` included (a type-only upward import is still
-an upward dependency). Imports through `importlib` by string are not seen.
+an upward dependency). No imports go round in a circle either, within a layer or across
+layers (`import_cycles`; lazy and type-only ones count too). Imports through `importlib` by
+string are not seen.
 """
 
 from __future__ import annotations
@@ -201,15 +203,8 @@ def package_graph() -> dict[str, set[str]]:
     return graph
 
 
-# Cycles still to be taken apart (issue 24, item 7), each through a lazy or type-only import.
-# The test fails on any other cycle, and on one of these once it is gone: the list only shrinks.
-KNOWN_CYCLES = [
-    ("kvtier_async.tiers.fs.files", "kvtier_async.tiers.fs.native_batch"),
-]
-
-
-def test_no_import_cycles_but_the_known_ones() -> None:
-    assert import_cycles(package_graph()) == KNOWN_CYCLES
+def test_no_import_cycles() -> None:
+    assert import_cycles(package_graph()) == []
 
 
 def test_an_import_cycle_is_found() -> None:

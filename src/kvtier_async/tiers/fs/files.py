@@ -67,8 +67,15 @@ from kvtier_async.tiers.fs.blockio import (
     write_all,
 )
 from kvtier_async.tiers.fs.native import FsIo, Workers
-from kvtier_async.tiers.fs.native_batch import load_batch, store_batch
-from kvtier_async.tiers.fs.native_source import STORE_FAILED, STORE_PRESENT, STORE_WRITTEN
+from kvtier_async.tiers.fs.native_batch import NativeBatch, Pages, scratch_pages
+from kvtier_async.tiers.fs.native_source import (
+    LOAD_OK,
+    STEP_NAMES,
+    STEP_OPEN,
+    STORE_FAILED,
+    STORE_PRESENT,
+    STORE_WRITTEN,
+)
 from kvtier_async.tiers.fs.publish import (
     PUBLISHERS,
     Directories,
@@ -123,9 +130,8 @@ class Reports:
 
 class BlockFiles:
     """Blocking block-file operations; every method may run in any worker thread. The C
-    path (`native_batch.store_batch`, `native_batch.load_batch`) runs its batches with the
-    public methods the Python path uses for each block: one set of checks, records and
-    warnings."""
+    path (`_store_batch`, `_load_batch`, below) runs its batches with the public methods the
+    Python path uses for each block: one set of checks, records and warnings."""
 
     def __init__(
         self,
@@ -249,7 +255,7 @@ class BlockFiles:
     def store_many(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[int]:
         """Store each block: `STORE_FAILED`, `STORE_PRESENT` or `STORE_WRITTEN` per key."""
         if self.fsio is not None:
-            outcomes = store_batch(self, self.fsio, keys, blocks)
+            outcomes = _store_batch(self, self.fsio, keys, blocks)
         else:
             pairs = zip(keys, blocks, strict=True)
             outcomes = [self._store_or_fail(key, block) for key, block in pairs]
@@ -345,7 +351,7 @@ class BlockFiles:
 
     def load_many(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[int]:
         if self.fsio is not None:
-            return load_batch(self, self.fsio, keys, blocks)
+            return _load_batch(self, self.fsio, keys, blocks)
         return [int(self._load(key, block)) for key, block in zip(keys, blocks, strict=True)]
 
     def _load(self, key: bytes, block: memoryview) -> bool:
@@ -396,3 +402,132 @@ class BlockFiles:
 
     def evict(self, victims: Sequence[str]) -> None:
         self.removed.add_paths(unlink_all(self.root, victims), REMOVED_EVICTED)
+
+
+# -- the C path's batches -------------------------------------------------------------------
+
+# A store's result when its temporary could not be created for lack of a directory.
+_GONE: Final = (-errno.ENOENT, STEP_OPEN)
+
+
+def _store_batch(
+    files: BlockFiles, fsio: FsIo, keys: Sequence[bytes], blocks: Sequence[memoryview]
+) -> list[int]:
+    """`BlockFiles.store_many` through the C loop: Python prepares names, directories and
+    headers, C stores, Python applies the results (access record, removals, warnings)."""
+    outcomes = [STORE_FAILED] * len(keys)
+    batch = _batch_of_stores(files, keys, blocks)
+    if not batch.indexes:
+        return outcomes
+    heads = scratch_pages("store", len(batch.indexes))
+    batch.fill_headers(heads)
+    results = _run_stores(files, fsio, batch, heads)
+    for j, (code, step) in enumerate(results):
+        index, path = batch.indexes[j], batch.paths[j]
+        if batch.noted[j]:
+            files.warn("fs block file had the wrong size or was a link, replaced it",
+                       path=path)  # fmt: skip
+            files.removed.add(batch.keys[j], REMOVED_DAMAGED)
+        if code == STORE_WRITTEN:
+            outcomes[index] = STORE_WRITTEN
+        elif code == STORE_PRESENT:
+            files.touch(path)
+            outcomes[index] = STORE_PRESENT
+        else:
+            files.forget(path)
+            call = STEP_NAMES.get(step, "store")
+            error = OSError(-code, f"{call}: {os.strerror(-code)}", path)
+            files.store_failed(keys[index], error)
+    return outcomes
+
+
+def _batch_of_stores(
+    files: BlockFiles, keys: Sequence[bytes], blocks: Sequence[memoryview]
+) -> NativeBatch:
+    """The batch of the blocks that may be stored (the others fail here); their directories
+    exist."""
+    wanted: list[tuple[int, bytes, memoryview, str, str]] = []
+    for index, (key, block) in enumerate(zip(keys, blocks, strict=True)):
+        try:
+            files.check_block(block)
+            path = files.path(key)
+        except (OSError, ValueError) as exc:
+            files.store_failed(key, exc)
+            continue
+        wanted.append((index, key, block, path, os.path.dirname(path)))
+    made, failed = files.dirs.ensure_many(directory for *_, directory in wanted)
+    batch = NativeBatch()
+    for index, key, block, path, directory in wanted:
+        error = failed.get(directory)
+        if error is not None:
+            files.store_failed(key, error)
+            continue
+        new_dir = directory in made  # a new directory holds no block: no lstat first
+        made.discard(directory)
+        batch.add(
+            index, key, block, path, directory=directory, check=not new_dir,
+            direct=files.mode.direct,
+        )  # fmt: skip
+    return batch
+
+
+def _run_stores(
+    files: BlockFiles, fsio: FsIo, batch: NativeBatch, heads: Pages
+) -> list[tuple[int, int]]:
+    """Store every block of ``batch``: ``(result, failed step)`` each. With ``max_bytes``,
+    one block at a time, so that evictions never hit a block of this batch; blocks whose
+    directories vanished under us are tried once more after making them again."""
+    pool = files.workers.pool("write")
+    if files.usage is None:
+        everything = range(len(batch.indexes))
+        results = batch.store(fsio, pool, heads, files.fsync, files.perms, everything)
+    else:
+        results = []
+        for j, path in enumerate(batch.paths):
+            try:
+                files.evict(files.usage.admit(path, files.file_bytes))
+            except OSError as exc:  # a block file larger than max_bytes
+                results.append((-(exc.errno or errno.EIO), 0))
+                continue
+            results += batch.store(fsio, pool, heads, files.fsync, files.perms, [j])
+    retry = [j for j, (code, step) in enumerate(results) if (code, step) == _GONE]
+    if retry:  # forget the directories known, make them, once more
+        files.dirs.forget()
+        try:
+            for j in retry:
+                files.dirs.ensure(batch.dirs[j])
+        except OSError as exc:
+            files.warn("fs tier cannot make its directories again", tier=files.name,
+                       error=str(exc))  # fmt: skip
+        again = batch.store(fsio, pool, heads, files.fsync, files.perms, retry)
+        for j, result in zip(retry, again, strict=True):
+            results[j] = result
+    return results
+
+
+def _load_batch(
+    files: BlockFiles, fsio: FsIo, keys: Sequence[bytes], blocks: Sequence[memoryview]
+) -> list[int]:
+    """`BlockFiles.load_many` through the C loop, with the checks of `verify_block`."""
+    outcomes = [0] * len(keys)
+    batch = NativeBatch()
+    for index, (key, block) in enumerate(zip(keys, blocks, strict=True)):
+        try:
+            files.check_block(block, into=True)
+            path = files.path(key)
+        except ValueError as exc:
+            files.refuse_load(key, exc)
+            continue
+        batch.add(index, key, block, path, direct=files.mode.direct)
+    if not batch.indexes:
+        return outcomes
+    heads = scratch_pages("load", len(batch.indexes))
+    pool = files.workers.pool("read")
+    for j, (code, problem, identity) in enumerate(batch.load(fsio, pool, heads)):
+        path = batch.paths[j]
+        if code == LOAD_OK:
+            files.touch(path)
+            outcomes[batch.indexes[j]] = 1
+        elif problem is not None:  # not a plain miss
+            files.fail_load(batch.keys[j], path, identity, problem)
+    return outcomes

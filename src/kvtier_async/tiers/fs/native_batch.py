@@ -1,7 +1,8 @@
 """The fs tier's batches on the C path (`kvtier_async.tiers.fs.native`), from the Python side:
-`store_batch` and `load_batch` run one store or load batch of a tier's `BlockFiles`, each a
-`NativeBatch`: the blocks' arrays for ``struct store_args`` / ``struct load_args``, their
-header pages, and each result read back as the Python path would report it.
+a `NativeBatch` holds one store or load batch, the blocks' arrays for ``struct store_args`` /
+``struct load_args`` and their header pages, and reads each result back as the Python path
+would report it. A tier's `BlockFiles` (`kvtier_async.tiers.fs.files`) fills a batch and
+applies its results.
 
 A store's header page holds the header fields Python packed (`blockfile.pack_fields`, payload
 sum zero); C fills in the payload and header checksums. A load gets the expected header
@@ -15,13 +16,12 @@ works on it, so no block memory can be unmapped under it.
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from kvtier_async.tiers.blockfile import (
     FIELDS_BYTES,
@@ -46,20 +46,12 @@ from kvtier_async.tiers.fs.native_source import (
     LOAD_OK,
     LOAD_SHORT,
     LOAD_WRONG_KEY,
-    STEP_NAMES,
     STEP_OPEN,
-    STORE_FAILED,
-    STORE_PRESENT,
-    STORE_WRITTEN,
 )
 from kvtier_async.tiers.fs.publish import Perms
-from kvtier_async.tiers.fs.records import REMOVED_DAMAGED
 from kvtier_async.tiers.fs.tempfiles import temp_name
 
-if TYPE_CHECKING:
-    from kvtier_async.tiers.fs.files import BlockFiles
-
-__all__ = ["NativeBatch", "Pages", "load_batch", "scratch_pages", "store_batch"]
+__all__ = ["NativeBatch", "Pages", "scratch_pages"]
 
 # The check of `blockfile.verify_block` that each load result stands for.
 _CHECKS: Final = {
@@ -68,8 +60,6 @@ _CHECKS: Final = {
     LOAD_WRONG_KEY: "key",
     LOAD_BAD_PAYLOAD: "payload",
 }
-# A store's result when its temporary could not be created for lack of a directory.
-_GONE: Final = (-errno.ENOENT, STEP_OPEN)
 _scratch = threading.local()
 
 
@@ -237,127 +227,3 @@ def _c_array(ctype: Any, values: Sequence[Any]) -> ctypes.Array[Any]:
 
 def _at(array: ctypes.Array[Any]) -> int:
     return ctypes.addressof(array)
-
-
-# -- a store or load batch of a tier -----------------------------------------------------------
-
-
-def store_batch(
-    files: BlockFiles, fsio: FsIo, keys: Sequence[bytes], blocks: Sequence[memoryview]
-) -> list[int]:
-    """`BlockFiles.store_many` through the C loop: Python prepares names, directories and
-    headers, C stores, Python applies the results (access record, removals, warnings)."""
-    outcomes = [STORE_FAILED] * len(keys)
-    batch = _stores(files, keys, blocks)
-    if not batch.indexes:
-        return outcomes
-    heads = scratch_pages("store", len(batch.indexes))
-    batch.fill_headers(heads)
-    results = _run_stores(files, fsio, batch, heads)
-    for j, (code, step) in enumerate(results):
-        index, path = batch.indexes[j], batch.paths[j]
-        if batch.noted[j]:
-            files.warn("fs block file had the wrong size or was a link, replaced it",
-                       path=path)  # fmt: skip
-            files.removed.add(batch.keys[j], REMOVED_DAMAGED)
-        if code == STORE_WRITTEN:
-            outcomes[index] = STORE_WRITTEN
-        elif code == STORE_PRESENT:
-            files.touch(path)
-            outcomes[index] = STORE_PRESENT
-        else:
-            files.forget(path)
-            call = STEP_NAMES.get(step, "store")
-            error = OSError(-code, f"{call}: {os.strerror(-code)}", path)
-            files.store_failed(keys[index], error)
-    return outcomes
-
-
-def _stores(files: BlockFiles, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> NativeBatch:
-    """The batch of the blocks that may be stored (the others fail here); their directories
-    exist."""
-    wanted: list[tuple[int, bytes, memoryview, str, str]] = []
-    for index, (key, block) in enumerate(zip(keys, blocks, strict=True)):
-        try:
-            files.check_block(block)
-            path = files.path(key)
-        except (OSError, ValueError) as exc:
-            files.store_failed(key, exc)
-            continue
-        wanted.append((index, key, block, path, os.path.dirname(path)))
-    made, failed = files.dirs.ensure_many(directory for *_, directory in wanted)
-    batch = NativeBatch()
-    for index, key, block, path, directory in wanted:
-        error = failed.get(directory)
-        if error is not None:
-            files.store_failed(key, error)
-            continue
-        new_dir = directory in made  # a new directory holds no block: no lstat first
-        made.discard(directory)
-        batch.add(
-            index, key, block, path, directory=directory, check=not new_dir,
-            direct=files.mode.direct,
-        )  # fmt: skip
-    return batch
-
-
-def _run_stores(
-    files: BlockFiles, fsio: FsIo, batch: NativeBatch, heads: Pages
-) -> list[tuple[int, int]]:
-    """Store every block of ``batch``: ``(result, failed step)`` each. With ``max_bytes``,
-    one block at a time, so that evictions never hit a block of this batch; blocks whose
-    directories vanished under us are tried once more after making them again."""
-    pool = files.workers.pool("write")
-    if files.usage is None:
-        everything = range(len(batch.indexes))
-        results = batch.store(fsio, pool, heads, files.fsync, files.perms, everything)
-    else:
-        results = []
-        for j, path in enumerate(batch.paths):
-            try:
-                files.evict(files.usage.admit(path, files.file_bytes))
-            except OSError as exc:  # a block file larger than max_bytes
-                results.append((-(exc.errno or errno.EIO), 0))
-                continue
-            results += batch.store(fsio, pool, heads, files.fsync, files.perms, [j])
-    retry = [j for j, (code, step) in enumerate(results) if (code, step) == _GONE]
-    if retry:  # forget the directories known, make them, once more
-        files.dirs.forget()
-        try:
-            for j in retry:
-                files.dirs.ensure(batch.dirs[j])
-        except OSError as exc:
-            files.warn("fs tier cannot make its directories again", tier=files.name,
-                       error=str(exc))  # fmt: skip
-        again = batch.store(fsio, pool, heads, files.fsync, files.perms, retry)
-        for j, result in zip(retry, again, strict=True):
-            results[j] = result
-    return results
-
-
-def load_batch(
-    files: BlockFiles, fsio: FsIo, keys: Sequence[bytes], blocks: Sequence[memoryview]
-) -> list[int]:
-    """`BlockFiles.load_many` through the C loop, with the checks of `verify_block`."""
-    outcomes = [0] * len(keys)
-    batch = NativeBatch()
-    for index, (key, block) in enumerate(zip(keys, blocks, strict=True)):
-        try:
-            files.check_block(block, into=True)
-            path = files.path(key)
-        except ValueError as exc:
-            files.refuse_load(key, exc)
-            continue
-        batch.add(index, key, block, path, direct=files.mode.direct)
-    if not batch.indexes:
-        return outcomes
-    heads = scratch_pages("load", len(batch.indexes))
-    pool = files.workers.pool("read")
-    for j, (code, problem, identity) in enumerate(batch.load(fsio, pool, heads)):
-        path = batch.paths[j]
-        if code == LOAD_OK:
-            files.touch(path)
-            outcomes[batch.indexes[j]] = 1
-        elif problem is not None:  # not a plain miss
-            files.fail_load(batch.keys[j], path, identity, problem)
-    return outcomes
