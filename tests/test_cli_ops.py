@@ -36,7 +36,6 @@ import pytest
 from _s3 import Injector, make_blocks, make_keys, opened, raw_client
 from kvtier_async.bench.s3server import MotoS3Server
 from kvtier_async.cli import main
-from kvtier_async.config import Section
 from kvtier_async.memory import SharedRegion, region_path
 from kvtier_async.memory._owner import OwnerRecord, write_owner
 from kvtier_async.ops import fsroot, render, s3root
@@ -490,7 +489,7 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def s3_store(server: MotoS3Server, bucket: str, ctx: TierContext, count: int) -> list[bytes]:
     """``count`` new blocks stored under prefix ``kv`` by a real `S3Tier`; their keys."""
     keys, blocks = make_keys(count), make_blocks(count, ctx.block_bytes, seed=count)
-    config = S3Config.from_section(Section(server.tier_config(bucket, prefix="kv"), "obj"))
+    config = S3Config.parse(server.tier_config(bucket, prefix="kv"), "obj")
 
     async def store() -> None:
         async with opened(S3Tier("obj", ctx, config)) as tier:

@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ledger", "memory", "events"),
     ("engine",),
     ("tiers", "transfer", "kernels"),
-    ("api", "integrations", "metrics", "vllm"),
+    ("api", "integrations", "metrics", "settings", "vllm"),
     ("cli", "demo", "doctor", "ops", "bench"),
 )
 LEVEL = {part: level for level, parts in enumerate(LAYERS) for part in parts}

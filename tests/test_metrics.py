@@ -121,7 +121,7 @@ async def test_a_failed_lookup_is_a_failure_a_key_not_found_is_not(
     def blind(section: Any, name: str, ctx: Any) -> BlindTier:
         return BlindTier(name, ctx, read_workers=1, write_workers=1)
 
-    monkeypatch.setitem(base._FACTORIES, "blind", blind)
+    monkeypatch.setitem(base._FACTORIES, "blind", (base.OpenTierConfig, blind))
     config = fs_config(tmp_path)
     config["secondary_tiers"].append({"type": "blind", "name": "blind"})
     registry = prometheus_client.CollectorRegistry()

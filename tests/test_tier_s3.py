@@ -39,7 +39,7 @@ from _s3 import (
 )
 from kvtier_async.api import TieredKVCache
 from kvtier_async.bench.s3server import MotoS3Server
-from kvtier_async.config import ConfigError, Section
+from kvtier_async.config import ConfigError
 from kvtier_async.engine import Engine, Job, ThreadedEngine
 from kvtier_async.ledger import JobKind
 from kvtier_async.memory import SharedRegion
@@ -73,7 +73,7 @@ def s3_tier(server: MotoS3Server, bucket: str, ctx: TierContext = CTX, **kwargs:
     """A tier on ``server``; config fields and tier keywords (``clock=``...) in ``kwargs``."""
     names = ("breaker_threshold", "breaker_timeouts", "breaker_open_s", "clock")
     tuning = {k: kwargs.pop(k) for k in names if k in kwargs}
-    config = S3Config.from_section(Section(server.tier_config(bucket, **kwargs), "obj"))
+    config = S3Config.parse(server.tier_config(bucket, **kwargs), "obj")
     return S3Tier("obj", ctx, config, backoff_s=0.001, **tuning)
 
 
@@ -92,7 +92,7 @@ def equal(a: memoryview, b: memoryview) -> bool:
 
 
 def config(data: dict[str, Any]) -> S3Config:
-    return S3Config.from_section(Section({"type": "obj", **data}, "secondary_tiers[1]"))
+    return S3Config.parse(data, "secondary_tiers[1]")
 
 
 def test_config_fields_and_defaults() -> None:

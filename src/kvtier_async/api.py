@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, cast
 
@@ -51,7 +51,6 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvtier_async._log import get_logger
-from kvtier_async.config import ConfigError, Section, config_mappings
 from kvtier_async.engine import Engine, Job, JobError, JobResult, LaneStatistics, TaskRunner
 from kvtier_async.events import KVEvent, to_kv_events
 from kvtier_async.ledger import (
@@ -60,11 +59,10 @@ from kvtier_async.ledger import (
     PrimaryLedger,
     TierCounters,
     TieringLedger,
-    check_policy,
 )
-from kvtier_async.ledger.tiering import StorePolicy
 from kvtier_async.memory import SharedRegion, close_region
 from kvtier_async.metrics import CacheCollector, Samples, samples, summary
+from kvtier_async.settings import CacheConfig
 from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics, make_tier
 from kvtier_async.transfer.blocks import BlockCopier, DeviceBlock
 from kvtier_async.transfer.plan import HostSlots
@@ -74,81 +72,6 @@ __all__ = ["CacheConfig", "CacheRequest", "CacheStats", "StoreResult", "TieredKV
 log = get_logger(__name__)
 
 _LET_GO_S = 30.0  # how long a cancelled call waits for its copy to stop touching its blocks
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """Validated configuration of a `TieredKVCache` (see `from_dict` for the fields)."""
-
-    block_bytes: int
-    num_slots: int
-    eviction_policy: str = "lru"
-    store_threshold: int = 1
-    store_policy: StorePolicy = StorePolicy.BLOCK_LEVEL
-    secondary_tiers: tuple[Mapping[str, Any], ...] = ()
-    instance_id: str = field(default_factory=lambda: f"kvtier-{os.getpid()}-{secrets.token_hex(4)}")
-    region_dir: str = "/dev/shm"
-    queue_depth: int = 256
-    device_workers: int = 2
-    model: str = "kvtier-demo"
-    close_timeout_s: float = 30.0
-
-    FIELDS = (
-        "block_bytes",
-        "num_slots",
-        "cpu_bytes_to_use",
-        "eviction_policy",
-        "store_threshold",
-        "store_policy",
-        "secondary_tiers",
-        "instance_id",
-        "region_dir",
-        "queue_depth",
-        "device_workers",
-        "model",
-        "close_timeout_s",
-    )
-
-    def __post_init__(self) -> None:  # a read-only copy whose repr hides credentials
-        object.__setattr__(self, "secondary_tiers", config_mappings(self.secondary_tiers))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CacheConfig:
-        """Read ``block_bytes`` and one of ``num_slots`` / ``cpu_bytes_to_use`` (required),
-        ``eviction_policy`` (lru | arc | module:Class), ``store_threshold``, ``store_policy``
-        (block_level | request_level), ``secondary_tiers`` (list of tier configs),
-        ``instance_id``, ``region_dir``, ``queue_depth``, ``device_workers``, ``model``,
-        ``close_timeout_s`` (how long a clean exit drains before it cancels)."""
-        s = Section(data, "")
-        s.allow_only(cls.FIELDS)
-        block_bytes = s.get_int("block_bytes", low=1)
-        kwargs: dict[str, Any] = {
-            "block_bytes": block_bytes,
-            "num_slots": _num_slots(s, block_bytes),
-            "eviction_policy": _policy(s, s.get_str("eviction_policy", "lru")),
-            "store_threshold": s.get_int("store_threshold", 1, low=1),
-            "store_policy": StorePolicy(
-                s.get_str("store_policy", "block_level", choices=[p.value for p in StorePolicy])
-            ),
-            "secondary_tiers": tuple(s.get_list("secondary_tiers", [])),
-            "region_dir": s.get_str("region_dir", "/dev/shm"),
-            "queue_depth": s.get_int("queue_depth", 256, low=1, high=1 << 20),
-            "device_workers": s.get_int("device_workers", 2, low=1, high=64),
-            "model": s.get_str("model", "kvtier-demo"),
-            "close_timeout_s": s.get_float("close_timeout_s", 30.0, low=0.0, high=86400.0),
-        }
-        if "instance_id" in data:
-            kwargs["instance_id"] = s.get_str("instance_id")
-        return cls(**kwargs)
-
-
-def _num_slots(s: Section, block_bytes: int) -> int:
-    if ("num_slots" in s.data) == ("cpu_bytes_to_use" in s.data):
-        raise ConfigError("cpu_bytes_to_use", "give exactly one of cpu_bytes_to_use or num_slots")
-    if "num_slots" in s.data:
-        return int(s.get_int("num_slots", low=1))
-    cpu_bytes = s.get_int("cpu_bytes_to_use", low=block_bytes)
-    return int(cpu_bytes // block_bytes)
 
 
 @dataclass(frozen=True)
@@ -188,6 +111,8 @@ class TieredKVCache:
 
     def __init__(self, config: CacheConfig | Mapping[str, Any]) -> None:
         self.config = config if isinstance(config, CacheConfig) else CacheConfig.from_dict(config)
+        # names the shared CPU region (one live cache per id): the config's, else one of ours
+        self.instance_id = self.config.instance_id or f"kvtier-{os.getpid()}-{secrets.token_hex(4)}"
         self._region: SharedRegion | None = None
         self._blocks: BlockCopier | None = None  # the device lane's data path
         self._engine: Engine | None = None
@@ -206,17 +131,14 @@ class TieredKVCache:
         if self._region is not None or self._engine is not None:
             raise RuntimeError("this TieredKVCache is open already: enter it once at a time")
         cfg = self.config
-        region = await anyio.to_thread.run_sync(_open_region, cfg)
+        region = await anyio.to_thread.run_sync(_open_region, cfg, self.instance_id)
         self._region = region
         ctx = TierContext(
-            block_bytes=region.row_bytes, model=cfg.model, instance_id=cfg.instance_id
+            block_bytes=region.row_bytes, model=cfg.model, instance_id=self.instance_id
         )
         try:
             self._blocks = BlockCopier(HostSlots.from_region(region), cfg.block_bytes)
-            tiers = [
-                make_tier(t, ctx, f"secondary_tiers[{i}]")
-                for i, t in enumerate(cfg.secondary_tiers)
-            ]
+            tiers = [make_tier(t, ctx) for t in cfg.secondary_tiers]
             primary = PrimaryLedger(
                 cfg.num_slots, policy=cfg.eviction_policy, store_threshold=cfg.store_threshold
             )
@@ -604,11 +526,11 @@ def _check_keys(keys: object) -> None:
             )
 
 
-def _open_region(cfg: CacheConfig) -> SharedRegion:
+def _open_region(cfg: CacheConfig, instance_id: str) -> SharedRegion:
     """The CPU tier's region, pinned for DMA when CUDA is present (a no-op without; a failed
     registration is logged and copies use pageable memory)."""
     region = SharedRegion(
-        cfg.instance_id,
+        instance_id,
         cfg.num_slots,
         cfg.block_bytes,
         directory=cfg.region_dir,
@@ -750,11 +672,3 @@ class _EventListener:
         self._cache._unlisten(self._send)
         self._receive.close()
         await anyio.lowlevel.cancel_shielded_checkpoint()
-
-
-def _policy(s: Section, name: str) -> str:
-    """``eviction_policy``, checked now (a bad name or module fails here, named)."""
-    try:
-        return check_policy(name)
-    except ValueError as exc:
-        raise ConfigError(s.name("eviction_policy"), str(exc)) from exc

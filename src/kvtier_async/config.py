@@ -1,153 +1,188 @@
-"""Typed, validated configuration.
+"""Typed, validated configuration on pydantic.
 
-Every config section is a plain mapping (JSON-shaped, as in vLLM's
-``kv_connector_extra_config``) read through a `Section`, which rejects unknown keys and bad
-values with a `ConfigError` naming the field (``secondary_tiers[0].root_dir``) and what is
-allowed. Nothing here touches the file system or the network.
+Every config is a pydantic model (`ConfigModel`: frozen, strict, unknown keys refused) read
+from a plain mapping, JSON-shaped as in vLLM's ``kv_connector_extra_config``, by `parse`.
+`parse` turns pydantic's errors into one `ConfigError` that names the field by its full path
+(``secondary_tiers[1].root_dir``) and says what is allowed. Nothing here touches the file
+system or the network.
+
+A validator that checks several fields together raises `ConfigError` itself, naming the field
+relative to the model it validates (``"store_config.bucket"``); `parse` puts the model's own
+path in front.
 
 Secrets: a field named in `SECRET_FIELDS` (a credential, wherever it appears: a tier config,
-vLLM's nested ``store_config``) never has its value echoed: an error about it names its type
-only, and a `ConfigMapping` (the read-only copy a validated config keeps of a raw section,
-such as one entry of ``secondary_tiers``) shows it as ``'***'`` in its repr.
+vLLM's nested ``store_config``) is a `pydantic.SecretStr`, shown as stars in every repr, and an
+error about it names its type only, never its value.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Final, TypeVar
+from collections.abc import Mapping
+from typing import Annotated, Any, Final, TypeVar
 
-__all__ = ["SECRET_FIELDS", "ConfigError", "ConfigMapping", "Section", "config_mappings"]
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = ["SECRET_FIELDS", "ConfigError", "ConfigModel", "NonEmptyStr", "field_path", "parse"]
 
 SECRET_FIELDS: Final = frozenset({"access_key", "secret_key", "session_token"})
 
-T = TypeVar("T")
-_MISSING: Any = object()
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+M = TypeVar("M", bound="ConfigModel")
 
 
 class ConfigError(ValueError):
-    """A configuration value is missing, unknown or out of range."""
+    """A configuration value is missing, unknown or out of range; ``field`` is its path."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
 
 
-class ConfigMapping(Mapping[str, Any]):
-    """A read-only copy of a config mapping (nested mappings too) whose repr and str show
-    every `SECRET_FIELDS` value as ``'***'``."""
+class ConfigModel(BaseModel):
+    """The base of every config model: frozen, strict types (no ``"1"`` for 1, no 1 for
+    True), and unknown keys are errors."""
 
-    __slots__ = ("_data",)
-
-    def __init__(self, data: Mapping[str, Any]) -> None:
-        self._data = {
-            key: ConfigMapping(value) if isinstance(value, Mapping) else value
-            for key, value in data.items()
-        }
-
-    def __getitem__(self, key: str) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __repr__(self) -> str:
-        shown = {k: "***" if k in SECRET_FIELDS and v else v for k, v in self._data.items()}
-        return repr(shown)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-def config_mappings(values: Iterable[Any]) -> tuple[Any, ...]:
-    """``values`` with every mapping among them as a `ConfigMapping` (others as they are:
-    the reader of each entry reports them)."""
-    return tuple(ConfigMapping(v) if isinstance(v, Mapping) else v for v in values)
+def field_path(path: str, field: str) -> str:
+    """``field`` under ``path``: ``secondary_tiers[1]`` + ``root_dir``."""
+    if not path:
+        return field
+    if not field:
+        return path
+    return f"{path}{field}" if field.startswith("[") else f"{path}.{field}"
+
+
+def parse(model: type[M], data: object, path: str = "") -> M:
+    """``data`` validated as ``model``; `ConfigError` names the first bad field under
+    ``path`` (the place the mapping came from, ``""`` at the top)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(path or "config", f"must be a mapping (JSON object), got {_kind(data)}")
+    try:
+        return model.model_validate(dict(data))
+    except ValidationError as exc:
+        raise _config_error(model, exc, path) from None
+    except ConfigError as exc:  # raised by a validator outside pydantic's wrapping
+        raise ConfigError(field_path(path, exc.field), exc.message) from None
+
+
+def _config_error(model: type[ConfigModel], exc: ValidationError, path: str) -> ConfigError:
+    error = exc.errors(include_url=False)[0]
+    where = _loc_path(error["loc"])
+    ctx = error.get("ctx") or {}
+    cause = ctx.get("error")
+    if isinstance(cause, ConfigError):  # a validator's own: its field is relative to the model
+        return ConfigError(field_path(path, field_path(where, cause.field)), cause.message)
+    key = next((str(p) for p in reversed(error["loc"]) if isinstance(p, str)), "")
+    got = _shown(key, error.get("input"))
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        message = f"unknown key; allowed: {_allowed(model, error['loc'])}"
+    elif kind == "missing":
+        message = "is required"
+    elif kind in ("int_type", "int_parsing", "int_from_float"):
+        message = f"must be an integer, got {got}"
+    elif kind in ("float_type", "float_parsing"):
+        message = f"must be a number, got {got}"
+    elif kind == "finite_number":
+        message = f"must be a finite number, got {got}"
+    elif kind in ("bool_type", "bool_parsing"):
+        message = f"must be true or false, got {got}"
+    elif kind == "string_type":
+        message = f"must be a string, got {got}"
+    elif kind == "string_too_short":
+        message = f"must be a non-empty string, got {got}"
+    elif kind in ("dict_type", "model_type", "model_attributes_type"):
+        message = f"must be a mapping (JSON object), got {_kind(error.get('input'))}"
+    elif kind in ("list_type", "tuple_type"):
+        message = f"must be a list, got {_kind(error.get('input'))}"
+    elif kind in ("literal_error", "enum"):
+        message = f"must be one of {ctx.get('expected')}, got {got}"
+    elif kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        message = f"must be {_bounds(model, error['loc'], ctx)}, got {got}"
+    elif kind == "value_error" and cause is not None:
+        message = str(cause)
+    else:
+        message = f"{error['msg'][:1].lower()}{error['msg'][1:]}, got {got}"
+    return ConfigError(field_path(path, where), message)
+
+
+_TAGS: Final = ("function-", "union[", "tagged-union[")  # pydantic's names in a loc, not ours
+
+
+def _loc_path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not part.startswith(_TAGS):
+            out = f"{out}.{part}" if out else part
+    return out
+
+
+def _field_info(model: type[BaseModel], loc: tuple[int | str, ...]) -> Any:
+    """The `FieldInfo` at ``loc`` (through nested models), or None."""
+    info: Any = None
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int) or part.startswith(_TAGS):
+            continue
+        fields = getattr(current, "model_fields", {})
+        if part not in fields:
+            return None
+        info = fields[part]
+        current = _model_in(info.annotation)
+    return info
+
+
+def _model_in(annotation: Any) -> Any:
+    """The model class inside ``annotation`` (``Sub | None``, ``tuple[Sub, ...]``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _allowed(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    """The keys allowed beside the unknown one at ``loc``."""
+    owner: Any = model
+    if len(loc) > 1:
+        info = _field_info(model, loc[:-1])
+        owner = _model_in(info.annotation) if info is not None else None
+    fields = getattr(owner, "model_fields", {})
+    return sorted(info.alias or name for name, info in fields.items())
+
+
+def _bounds(model: type[BaseModel], loc: tuple[int | str, ...], ctx: Mapping[str, Any]) -> str:
+    """``>= 1``, ``in [0, 20]``: the field's whole allowed range."""
+    low = high = None
+    info = _field_info(model, loc)
+    for meta in getattr(info, "metadata", ()):
+        low = getattr(meta, "ge", low)
+        high = getattr(meta, "le", high)
+    low = ctx.get("ge", low)
+    high = ctx.get("le", high)
+    if low is not None and high is not None:
+        return f"in [{low}, {high}]"
+    if low is not None:
+        return f">= {low}"
+    if high is not None:
+        return f"<= {high}"
+    if "gt" in ctx:
+        return f"> {ctx['gt']}"
+    return f"< {ctx.get('lt')}"
+
+
+def _kind(value: object) -> str:
+    return type(value).__name__
 
 
 def _shown(key: str, value: Any) -> str:
     """``repr(value)``, or only its type when ``key`` is a secret field."""
-    return f"{type(value).__name__} (value not shown)" if key in SECRET_FIELDS else repr(value)
-
-
-class Section:
-    """Reads one config mapping, field by field, with errors that name the field."""
-
-    def __init__(self, data: object, path: str) -> None:
-        if not isinstance(data, Mapping):
-            raise ConfigError(path, f"must be a mapping (JSON object), got {type(data).__name__}")
-        self.data: Mapping[str, Any] = data
-        self.path = path
-
-    def name(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
-
-    def allow_only(self, keys: Iterable[str]) -> None:
-        allowed = set(keys)
-        unknown = sorted(set(self.data) - allowed)
-        if unknown:
-            raise ConfigError(self.name(unknown[0]), f"unknown key; allowed: {sorted(allowed)}")
-
-    def _get(self, key: str, default: Any) -> Any:
-        value = self.data.get(key, default)
-        if value is _MISSING:
-            raise ConfigError(self.name(key), "is required")
-        return value
-
-    def get_int(
-        self, key: str, default: Any = _MISSING, *, low: int = 0, high: int | None = None
-    ) -> Any:
-        value = self._get(key, default)
-        if value is None and default is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(self.name(key), f"must be an integer, got {_shown(key, value)}")
-        if value < low or (high is not None and value > high):
-            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise ConfigError(self.name(key), f"must be {bound}, got {_shown(key, value)}")
-        return value
-
-    def get_float(
-        self, key: str, default: Any = _MISSING, *, low: float = 0.0, high: float | None = None
-    ) -> Any:
-        value = self._get(key, default)
-        if value is None and default is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(self.name(key), f"must be a number, got {_shown(key, value)}")
-        if not math.isfinite(value):  # NaN compares false with every bound
-            raise ConfigError(self.name(key), f"must be a finite number, got {_shown(key, value)}")
-        if value < low or (high is not None and value > high):
-            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise ConfigError(self.name(key), f"must be {bound}, got {_shown(key, value)}")
-        return float(value)
-
-    def get_bool(self, key: str, default: Any = _MISSING) -> Any:
-        value = self._get(key, default)
-        if not isinstance(value, bool):
-            raise ConfigError(self.name(key), f"must be true or false, got {_shown(key, value)}")
-        return value
-
-    def get_str(
-        self,
-        key: str,
-        default: Any = _MISSING,
-        *,
-        choices: Iterable[str] | None = None,
-        allow_empty: bool = False,
-    ) -> Any:
-        value = self._get(key, default)
-        if value is None and default is None:
-            return None
-        if not isinstance(value, str) or (not value and not allow_empty):
-            shown = _shown(key, value)
-            raise ConfigError(self.name(key), f"must be a non-empty string, got {shown}")
-        if choices is not None and value not in (options := list(choices)):
-            raise ConfigError(self.name(key), f"must be one of {options}, got {_shown(key, value)}")
-        return value
-
-    def get_list(self, key: str, default: Any = _MISSING) -> Any:
-        value = self._get(key, default)
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(self.name(key), f"must be a list, got {type(value).__name__}")
-        return list(value)
+    return f"{_kind(value)} (value not shown)" if key in SECRET_FIELDS else repr(value)

@@ -180,7 +180,7 @@ async def cancelled_lifetime(
             await other.store(keys, [content(key, BLOCK) for key in keys])
 
     cut = await cancel("async with", lifetime)
-    region = Path(other.config.region_dir) / f"kvtier_{other.config.instance_id}.mmap"
+    region = Path(other.config.region_dir) / f"kvtier_{other.instance_id}.mmap"
     if region.exists():
         row.problems.append("a cancelled async with left its region file")
     root = Path(config["secondary_tiers"][0]["root_dir"])

@@ -29,7 +29,6 @@ import anyio
 import anyio.to_thread
 from botocore.config import Config as BotoConfig  # type: ignore[import-untyped]
 
-from kvtier_async.config import Section
 from kvtier_async.ledger import make_offload_key
 from kvtier_async.tiers.base import TierContext
 from kvtier_async.tiers.s3 import S3Config, S3Tier
@@ -184,9 +183,7 @@ async def _bounded(one: Callable[[int], Awaitable[None]], count: int) -> None:
 
 async def _open_tier(stack: AsyncExitStack, server: Any, size: int) -> S3Tier:
     fields = server.tier_config(BUCKET, prefix="ours", max_concurrency=CONCURRENCY)
-    tier = S3Tier(
-        "obj", TierContext(block_bytes=size), S3Config.from_section(Section(fields, "obj"))
-    )
+    tier = S3Tier("obj", TierContext(block_bytes=size), S3Config.parse(fields, "obj"))
     await tier.open()
     stack.push_async_callback(tier.aclose)
     return tier

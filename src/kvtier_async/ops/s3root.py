@@ -35,7 +35,7 @@ import aiohttp
 import anyio
 from botocore import exceptions as boto_errors  # type: ignore[import-untyped]
 
-from kvtier_async.config import ConfigError, Section
+from kvtier_async.config import ConfigError
 from kvtier_async.ops.layout import (
     CONFIG_NAME,
     Namespace,
@@ -177,7 +177,7 @@ def _config(
         "max_concurrency": concurrency,
     }
     try:
-        return S3Config.from_section(Section(data, ""))
+        return S3Config.parse(data)
     except ConfigError as exc:
         flag = _FLAGS.get(exc.field, exc.field)
         raise OpsError(f"{flag}: {str(exc).removeprefix(f'{exc.field}: ')}") from None

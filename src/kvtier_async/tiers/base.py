@@ -34,17 +34,22 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+from pydantic import ConfigDict, PrivateAttr
+
 from kvtier_async._extras import S3 as S3_MODULES
 from kvtier_async._extras import MissingExtraError, require
-from kvtier_async.config import ConfigError, Section
+from kvtier_async.config import ConfigError, ConfigModel, NonEmptyStr, field_path, parse
 
 __all__ = [
     "FORMAT_VERSION",
+    "OpenTierConfig",
     "SecondaryTier",
+    "TierConfig",
     "TierContext",
     "TierStatistics",
     "make_tier",
     "register_tier",
+    "tier_config",
 ]
 
 FORMAT_VERSION = 1
@@ -147,40 +152,96 @@ class SecondaryTier(ABC):
         return f"<{type(self).__name__} {self.name!r}>"
 
 
-TierFactory = Callable[[Section, str, TierContext], SecondaryTier]
-_FACTORIES: dict[str, str | TierFactory] = {
-    "memory": "kvtier_async.tiers.memory:from_config",
-    "fs": "kvtier_async.tiers.fs:from_config",
-    "obj": "kvtier_async.tiers.s3:from_config",
+class TierConfig(ConfigModel):
+    """One entry of ``secondary_tiers``: its ``type`` and ``name``; each kind's model adds its
+    own fields (`kvtier_async.tiers.fs.FsTierConfig`, ...). A kind registered without a model
+    gets `OpenTierConfig`, which keeps every other key for its factory to read."""
+
+    type: NonEmptyStr
+    name: NonEmptyStr
+    _path: str = PrivateAttr("")  # where it came from (``secondary_tiers[1]``), for messages
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def field(self, key: str) -> str:
+        """The full name of this tier's config field ``key`` (``secondary_tiers[1].bucket``)."""
+        return field_path(self.path, key)
+
+
+class OpenTierConfig(TierConfig):
+    """The config of a tier kind registered without a model: any other keys, unchecked."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+TierFactory = Callable[[Any, str, TierContext], SecondaryTier]
+# kind -> (its config model, its factory), each as "module:attribute" until first used
+_FACTORIES: dict[str, tuple[str | type[TierConfig], str | TierFactory]] = {
+    "memory": (
+        "kvtier_async.tiers.memory:MemoryTierConfig",
+        "kvtier_async.tiers.memory:from_config",
+    ),
+    "fs": ("kvtier_async.tiers.fs:FsTierConfig", "kvtier_async.tiers.fs:from_config"),
+    "obj": ("kvtier_async.tiers.s3.config:ObjTierConfig", "kvtier_async.tiers.s3:from_config"),
 }
 
 
-def register_tier(kind: str, factory: str | TierFactory) -> None:
-    """Make ``{"type": kind, ...}`` build a tier with ``factory(section, name, ctx)``."""
-    _FACTORIES[kind] = factory
+def register_tier(
+    kind: str, factory: str | TierFactory, config: str | type[TierConfig] = OpenTierConfig
+) -> None:
+    """Make ``{"type": kind, ...}`` a tier: its entry is validated as ``config`` (a
+    `TierConfig` subclass) and built with ``factory(config, name, ctx)``."""
+    _FACTORIES[kind] = (config, factory)
 
 
-def make_tier(config: Mapping[str, Any], ctx: TierContext, path: str) -> SecondaryTier:
-    """Build one tier from its config mapping; ``path`` names it in errors
-    (``secondary_tiers[0]``)."""
-    section = Section(config, path)
-    kind = section.get_str("type", choices=sorted(_FACTORIES))
-    name = section.get_str("name", f"{kind}{path[path.find('[') :] if '[' in path else ''}")
-    return _factory(kind, section)(section, name, ctx)
+def tier_config(data: object, path: str) -> TierConfig:
+    """One ``secondary_tiers`` entry validated by its kind's model; ``path`` names it in
+    errors (``secondary_tiers[0]``). Its ``name`` defaults to the kind and the entry's index
+    (``fs[0]``)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(path, f"must be a mapping (JSON object), got {type(data).__name__}")
+    kind = data.get("type")
+    if not isinstance(kind, str) or kind not in _FACTORIES:
+        got = repr(kind) if "type" in data else "nothing"
+        raise ConfigError(
+            field_path(path, "type"), f"must be one of {sorted(_FACTORIES)}, got {got}"
+        )
+    model: type[TierConfig] = _load(kind, 0, path)
+    default_name = f"{kind}{path[path.rfind('[') :] if path.endswith(']') else ''}"
+    cfg = parse(model, {"name": default_name, **data}, path)
+    cfg._path = path
+    return cfg
 
 
-def _factory(kind: str, section: Section) -> TierFactory:
-    factory = _FACTORIES[kind]
-    if isinstance(factory, str):
-        module_name, _, attr = factory.partition(":")
+def make_tier(
+    config: TierConfig | Mapping[str, Any], ctx: TierContext, path: str = ""
+) -> SecondaryTier:
+    """Build one tier from its validated config (or a raw mapping, validated first, named
+    ``path`` in errors)."""
+    cfg = config if isinstance(config, TierConfig) else tier_config(config, path)
+    factory: TierFactory = _load(cfg.type, 1, cfg.path)
+    return factory(cfg, cfg.name, ctx)
+
+
+def _load(kind: str, which: int, path: str) -> Any:
+    """The config model (``which`` 0) or the factory (1) of ``kind``, imported on first use."""
+    entry = _FACTORIES[kind]
+    target = entry[which]
+    if isinstance(target, str):
+        module_name, _, attr = target.partition(":")
         if kind == "obj":
             try:
                 require("s3", S3_MODULES, f"tier {kind!r}")
             except MissingExtraError as exc:
-                raise ConfigError(section.name("type"), str(exc)) from None
+                raise ConfigError(field_path(path, "type"), str(exc)) from None
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise ConfigError(section.name("type"), f"tier {kind!r} is unavailable: {exc}") from exc
-        factory = _FACTORIES[kind] = getattr(module, attr)
-    return factory
+            raise ConfigError(
+                field_path(path, "type"), f"tier {kind!r} is unavailable: {exc}"
+            ) from exc
+        target = getattr(module, attr)
+        _FACTORIES[kind] = (target, entry[1]) if which == 0 else (entry[0], target)
+    return target

@@ -14,14 +14,14 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Literal
 
 import anyio
+from pydantic import Field
 
-from kvtier_async.config import Section
+from .base import SecondaryTier, TierConfig, TierContext, TierStatistics
 
-from .base import SecondaryTier, TierContext, TierStatistics
-
-__all__ = ["MemoryTier", "from_config"]
+__all__ = ["MemoryTier", "MemoryTierConfig", "from_config"]
 
 
 class MemoryTier(SecondaryTier):
@@ -145,30 +145,30 @@ class MemoryTier(SecondaryTier):
         )
 
 
-def from_config(section: Section, name: str, ctx: TierContext) -> MemoryTier:
-    """``{"type": "memory", "latency_s", "lookup_latency_s", "fail_rate", "capacity_bytes",
-    "n_read_workers", "n_write_workers", "seed"}``."""
-    section.allow_only(
-        [
-            "type",
-            "name",
-            "latency_s",
-            "lookup_latency_s",
-            "fail_rate",
-            "capacity_bytes",
-            "n_read_workers",
-            "n_write_workers",
-            "seed",
-        ]
-    )
+class MemoryTierConfig(TierConfig):
+    """``{"type": "memory", ...}``: a tier in this process's memory, for tests and demos,
+    with an injected latency and failure rate."""
+
+    type: Literal["memory"] = "memory"
+    latency_s: float = Field(0.0, ge=0.0, le=60.0, allow_inf_nan=False)
+    lookup_latency_s: float = Field(0.0, ge=0.0, le=60.0, allow_inf_nan=False)
+    fail_rate: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    capacity_bytes: int | None = Field(None, ge=1)
+    n_read_workers: int = Field(2, ge=1, le=256)
+    n_write_workers: int = Field(2, ge=1, le=256)
+    seed: int = Field(0, ge=0)
+
+
+def from_config(config: MemoryTierConfig, name: str, ctx: TierContext) -> MemoryTier:
+    """Build a `MemoryTier` from its validated config."""
     return MemoryTier(
         name,
         ctx,
-        read_workers=section.get_int("n_read_workers", 2, low=1, high=256),
-        write_workers=section.get_int("n_write_workers", 2, low=1, high=256),
-        latency_s=section.get_float("latency_s", 0.0, high=60.0),
-        lookup_latency_s=section.get_float("lookup_latency_s", 0.0, high=60.0),
-        fail_rate=section.get_float("fail_rate", 0.0, high=1.0),
-        capacity_bytes=section.get_int("capacity_bytes", None, low=1),
-        seed=section.get_int("seed", 0),
+        read_workers=config.n_read_workers,
+        write_workers=config.n_write_workers,
+        latency_s=config.latency_s,
+        lookup_latency_s=config.lookup_latency_s,
+        fail_rate=config.fail_rate,
+        capacity_bytes=config.capacity_bytes,
+        seed=config.seed,
     )

@@ -8,39 +8,21 @@ are accepted and ignored (logged once); any other unknown key is an error naming
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
 
 from kvtier_async._log import get_logger
-from kvtier_async.config import ConfigError, Section, config_mappings
+from kvtier_async.config import ConfigError, NonEmptyStr, parse
 from kvtier_async.ledger import check_policy
+from kvtier_async.settings import CommonConfig
 
 __all__ = ["ConnectorConfig"]
 
 log = get_logger(__name__)
 
 SPECS = ("TieringOffloadingSpec", "CPUOffloadingSpec")
-_OURS = (
-    "store_policy",
-    "instance_id",
-    "region_dir",
-    "queue_depth",
-    "wait_timeout_s",
-    "close_timeout_s",
-    "worker_copies",
-)
-_VLLM = (
-    "spec_name",
-    "cpu_bytes_to_use",
-    "block_size",
-    "eviction_policy",
-    "secondary_tiers",
-    "offload_prompt_only",
-    "store_threshold",
-    "max_tracker_size",
-    "cache_policy_module_path",
-    "sync_load_budget_bytes",
-)
+# vLLM offloading keys that have no meaning here: accepted and ignored (logged once)
 _VLLM_IGNORED = (
     "spec_module_path",
     "blocks_per_chunk",
@@ -48,69 +30,58 @@ _VLLM_IGNORED = (
     "tier_poll_interval_s",
     "backpressure",
 )
+_BUILTIN: tuple[object, ...] = ("lru", "arc", "prefix", None)  # None: the default, lru
 
 
-@dataclass(frozen=True)
-class ConnectorConfig:
-    spec_name: str
-    cpu_bytes_to_use: int
-    block_size: int | None
-    eviction_policy: str
-    secondary_tiers: tuple[Mapping[str, Any], ...]
-    offload_prompt_only: bool
-    store_threshold: int
-    max_tracker_size: int
-    sync_load_budget_bytes: int
-    store_policy: str
-    instance_id: str | None
-    region_dir: str
-    queue_depth: int
-    wait_timeout_s: float
-    close_timeout_s: float
-    worker_copies: str
+class ConnectorConfig(CommonConfig):
+    """``kv_connector_extra_config`` validated: the `CommonConfig` fields, vLLM's
+    OffloadingConnector keys (``spec_name``, ``cpu_bytes_to_use``, ``block_size``,
+    ``offload_prompt_only``, ``max_tracker_size``, ``cache_policy_module_path``,
+    ``sync_load_budget_bytes``) and the connector's own (``wait_timeout_s``: how long a
+    worker waits on the scheduler's region; ``worker_copies``: ``auto``, ``engine`` or
+    ``inline``)."""
 
-    def __post_init__(self) -> None:  # a read-only copy whose repr hides credentials
-        object.__setattr__(self, "secondary_tiers", config_mappings(self.secondary_tiers))
+    TIERS_AT: ClassVar[str] = "kv_connector_extra_config.secondary_tiers"
+
+    spec_name: Literal["TieringOffloadingSpec", "CPUOffloadingSpec"] = "TieringOffloadingSpec"
+    cpu_bytes_to_use: int = Field(ge=1)
+    block_size: int | None = Field(None, ge=1)
+    offload_prompt_only: bool = True
+    max_tracker_size: int = Field(64_000, ge=1)
+    cache_policy_module_path: NonEmptyStr | None = None
+    sync_load_budget_bytes: int = Field(0, ge=0)
+    wait_timeout_s: float = Field(60.0, ge=0.001, allow_inf_nan=False)
+    worker_copies: Literal["auto", "engine", "inline"] = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_keys(cls, data: Any) -> Any:
+        """Drops vLLM's keys that mean nothing here, and takes ``cache_policy_module_path``
+        as the policy where ``eviction_policy`` names none of ours (as vLLM does)."""
+        if not isinstance(data, Mapping):
+            return data
+        if ignored := sorted(set(data) & set(_VLLM_IGNORED)):
+            log.info("ignoring vLLM offloading keys that have no meaning here", keys=ignored)
+        data = {k: v for k, v in data.items() if k not in _VLLM_IGNORED}
+        module = data.get("cache_policy_module_path")
+        if isinstance(module, str) and module and data.get("eviction_policy") not in _BUILTIN:
+            try:
+                data["eviction_policy"] = check_policy(module)
+            except ValueError as exc:
+                raise ConfigError("cache_policy_module_path", str(exc)) from None
+        return data
+
+    @model_validator(mode="after")
+    def _spec(self) -> ConnectorConfig:
+        if self.spec_name == "CPUOffloadingSpec" and self.secondary_tiers:
+            raise ConfigError(
+                "secondary_tiers",
+                "CPUOffloadingSpec has no secondary tiers; use TieringOffloadingSpec",
+            )
+        return self
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        s = Section(extra or {}, "kv_connector_extra_config")
-        s.allow_only((*_VLLM, *_VLLM_IGNORED, *_OURS))
-        ignored = sorted(set(s.data) & set(_VLLM_IGNORED))
-        if ignored:
-            log.info("ignoring vLLM offloading keys that have no meaning here", keys=ignored)
-        spec = s.get_str("spec_name", "TieringOffloadingSpec", choices=SPECS)
-        tiers = tuple(s.get_list("secondary_tiers", []))
-        if spec == "CPUOffloadingSpec" and tiers:
-            raise ConfigError(
-                s.name("secondary_tiers"),
-                "CPUOffloadingSpec has no secondary tiers; use TieringOffloadingSpec",
-            )
-        policy = s.get_str("eviction_policy", "lru")
-        module = s.get_str("cache_policy_module_path", None)
-        chosen = module if module and policy not in ("lru", "arc", "prefix") else policy
-        try:
-            check_policy(chosen)
-        except ValueError as exc:
-            field = "cache_policy_module_path" if chosen is module else "eviction_policy"
-            raise ConfigError(s.name(field), str(exc)) from exc
-        return cls(
-            spec_name=spec,
-            cpu_bytes_to_use=s.get_int("cpu_bytes_to_use", low=1),
-            block_size=s.get_int("block_size", None, low=1),
-            eviction_policy=chosen,
-            secondary_tiers=tiers,
-            offload_prompt_only=s.get_bool("offload_prompt_only", True),
-            store_threshold=max(1, s.get_int("store_threshold", 1)),
-            max_tracker_size=s.get_int("max_tracker_size", 64_000, low=1),
-            sync_load_budget_bytes=s.get_int("sync_load_budget_bytes", 0, low=0),
-            store_policy=s.get_str(
-                "store_policy", "block_level", choices=("block_level", "request_level")
-            ),
-            instance_id=s.get_str("instance_id", None),
-            region_dir=s.get_str("region_dir", "/dev/shm"),
-            queue_depth=s.get_int("queue_depth", 1024, low=1),
-            wait_timeout_s=s.get_float("wait_timeout_s", 60.0, low=0.001),
-            close_timeout_s=s.get_float("close_timeout_s", 30.0, low=0.0, high=86400.0),
-            worker_copies=s.get_str("worker_copies", "auto", choices=("auto", "engine", "inline")),
-        )
+        """vLLM's ``kv_connector_extra_config`` validated; `ConfigError` names the first bad
+        field (``kv_connector_extra_config.secondary_tiers[0].root_dir``)."""
+        return parse(cls, extra or {}, "kv_connector_extra_config")

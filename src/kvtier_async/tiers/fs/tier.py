@@ -35,14 +35,15 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Annotated, Final, Literal
 
 import anyio
 import anyio.to_thread
+from pydantic import BeforeValidator, Field, field_validator
 
 from kvtier_async._log import get_logger
-from kvtier_async.config import ConfigError, Section
-from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics
+from kvtier_async.config import ConfigError, NonEmptyStr
+from kvtier_async.tiers.base import SecondaryTier, TierConfig, TierContext, TierStatistics
 from kvtier_async.tiers.blockfile import HEADER_BYTES
 from kvtier_async.tiers.fs.files import (
     STORE_FAILED,
@@ -59,6 +60,7 @@ __all__ = [
     "DEFAULT_WRITE_WORKERS",
     "MIN_CHUNK_BYTES",
     "FsTier",
+    "FsTierConfig",
     "FsTierStatistics",
     "from_config",
     "parse_mode",
@@ -78,8 +80,6 @@ DEFAULT_WRITE_WORKERS: Final = 32
 # of disk time. Measured (256 KiB blocks, jobs of 16): one block per call used 2x the CPU of
 # 16 per call, and loads ran up to 1.5x slower.
 MIN_CHUNK_BYTES: Final = 4 << 20
-_CONFIG_KEYS: Final = ("type", "name", "root_dir", "n_read_workers", "n_write_workers",
-                       "max_bytes", "fsync", "mode")  # fmt: skip
 # ``mode`` presets: "private" (the default), "group" (group members read and write too).
 _MODE_PRESETS: Final = {"private": PRIVATE_MODE, "group": 0o660}
 
@@ -87,29 +87,45 @@ _MODE_PRESETS: Final = {"private": PRIVATE_MODE, "group": 0o660}
 # -- configuration ---------------------------------------------------------------------------
 
 
-def from_config(section: Section, name: str, ctx: TierContext) -> FsTier:
-    """Build an `FsTier` from ``{"type": "fs", "root_dir": ..., ...}`` (see the README)."""
-    section.allow_only(_CONFIG_KEYS)
-    root_dir = section.get_str("root_dir")
-    if "\x00" in root_dir:
-        raise ConfigError(section.name("root_dir"), "must not contain NUL characters")
+def _mode(value: object) -> int:
+    return parse_mode(value)
+
+
+class FsTierConfig(TierConfig):
+    """``{"type": "fs", "root_dir": ..., ...}`` (see the README for each field)."""
+
+    type: Literal["fs"] = "fs"
+    root_dir: NonEmptyStr
+    n_read_workers: int = Field(DEFAULT_READ_WORKERS, ge=1, le=1024)
+    n_write_workers: int = Field(DEFAULT_WRITE_WORKERS, ge=1, le=1024)
+    max_bytes: int | None = Field(None, ge=1)  # at least one block and its header: checked at build
+    fsync: bool = False
+    mode: Annotated[int, BeforeValidator(_mode)] = Field(PRIVATE_MODE, validate_default=False)
+
+    @field_validator("root_dir")
+    @classmethod
+    def _no_nul(cls, value: str) -> str:
+        if "\x00" in value:
+            raise ValueError("must not contain NUL characters")
+        return value
+
+
+def from_config(config: FsTierConfig, name: str, ctx: TierContext) -> FsTier:
+    """Build an `FsTier` from its validated config."""
+    least = HEADER_BYTES + ctx.block_bytes
+    if config.max_bytes is not None and config.max_bytes < least:
+        got = config.max_bytes
+        raise ConfigError(config.field("max_bytes"), f"must be >= {least} (one block), got {got}")
     return FsTier(
         name,
         ctx,
-        read_workers=section.get_int("n_read_workers", DEFAULT_READ_WORKERS, low=1, high=1024),
-        write_workers=section.get_int("n_write_workers", DEFAULT_WRITE_WORKERS, low=1, high=1024),
-        root_dir=root_dir,
-        max_bytes=section.get_int("max_bytes", None, low=HEADER_BYTES + ctx.block_bytes),
-        fsync=section.get_bool("fsync", False),
-        mode=_config_mode(section),
+        read_workers=config.n_read_workers,
+        write_workers=config.n_write_workers,
+        root_dir=config.root_dir,
+        max_bytes=config.max_bytes,
+        fsync=config.fsync,
+        mode=config.mode,
     )
-
-
-def _config_mode(section: Section) -> int:
-    try:
-        return parse_mode(section.data.get("mode", "private"))
-    except ValueError as exc:
-        raise ConfigError(section.name("mode"), str(exc)) from None
 
 
 def parse_mode(value: object) -> int:

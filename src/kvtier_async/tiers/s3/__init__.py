@@ -26,6 +26,7 @@ from kvtier_async.tiers.s3.config import (
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT_S,
+    ObjTierConfig,
     S3Config,
     Secret,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "BucketNotFoundError",
     "CircuitOpenError",
     "EndpointUnreachableError",
+    "ObjTierConfig",
     "RequestTimeoutError",
     "S3Config",
     "S3Tier",

@@ -1,4 +1,4 @@
-"""The obj tier's configuration: `S3Config`, read from a config section, and `Secret`.
+"""The obj tier's configuration: `ObjTierConfig` (the schema), `S3Config` (it resolved), `Secret`.
 
 Fields are vLLM's ``ObjStoreConfig`` ones (also accepted nested, as vLLM writes them, under
 ``"store_config"``, with ``"io_threads"`` for ``max_concurrency``) and ours (``prefix``,
@@ -18,20 +18,25 @@ the access key id and a session token appear there, as with any boto3 program.
 from __future__ import annotations
 
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
-from kvtier_async.config import ConfigError, Section
+from pydantic import Field, SecretStr, model_validator
+
+from kvtier_async.config import ConfigError, ConfigModel, NonEmptyStr
+from kvtier_async.tiers.base import TierConfig, tier_config
 
 __all__ = [
     "DEFAULT_LOOKUP_TIMEOUT_S",
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_RETRIES",
     "DEFAULT_TIMEOUT_S",
+    "ObjTierConfig",
     "S3Config",
     "Scrubber",
     "Secret",
+    "StoreConfig",
 ]
 
 DEFAULT_MAX_CONCURRENCY: Final = 16
@@ -39,13 +44,6 @@ DEFAULT_TIMEOUT_S: Final = 5.0
 DEFAULT_LOOKUP_TIMEOUT_S: Final = 1.0  # at most; never more than timeout_s by default
 DEFAULT_RETRIES: Final = 3
 _DEFAULT_ENDPOINT_REGION: Final = "us-east-1"
-
-# vLLM's ObjStoreConfig fields (also accepted nested as vLLM's "store_config"), then ours.
-_VLLM_FIELDS: Final = ("bucket", "endpoint_override", "access_key", "secret_key",
-                       "session_token", "region", "scheme", "ca_bundle")  # fmt: skip
-_CONFIG_KEYS: Final = ("type", "name", *_VLLM_FIELDS, "prefix", "max_concurrency",
-                       "timeout_s", "lookup_timeout_s", "retries", "store_config",
-                       "io_threads")  # fmt: skip
 
 
 class Secret:
@@ -76,6 +74,7 @@ class Secret:
 
 
 _NO_SECRET: Final = Secret()
+_EMPTY: Final = SecretStr("")
 
 
 class Scrubber:
@@ -95,9 +94,64 @@ class Scrubber:
         return self(f"{type(exc).__name__}: {exc}")
 
 
+class StoreConfig(ConfigModel):
+    """vLLM's ``ObjStoreConfig`` fields, nested under ``"store_config"`` as vLLM writes them;
+    each one set here must not be set at the tier's top level too."""
+
+    bucket: NonEmptyStr | None = None
+    endpoint_override: str | None = None
+    access_key: SecretStr | None = None
+    secret_key: SecretStr | None = None
+    session_token: SecretStr | None = None
+    region: str | None = None
+    scheme: Literal["http", "https"] | None = None
+    ca_bundle: str | None = None
+
+
+class ObjTierConfig(TierConfig):
+    """``{"type": "obj", "bucket": ..., ...}``: vLLM's ``ObjStoreConfig`` fields (flat, or
+    nested under ``"store_config"``, with ``"io_threads"`` for ``max_concurrency``) and ours
+    (``prefix``, ``max_concurrency``, ``timeout_s``, ``lookup_timeout_s``, ``retries``).
+    `S3Config.from_config` resolves it (endpoint, scheme, defaults) for the tier."""
+
+    type: Literal["obj"] = "obj"
+    bucket: NonEmptyStr | None = None  # required, here or in store_config
+    endpoint_override: str = ""
+    access_key: SecretStr = _EMPTY
+    secret_key: SecretStr = _EMPTY
+    session_token: SecretStr = _EMPTY
+    region: str = ""
+    scheme: Literal["http", "https"] | None = None  # default: http with an endpoint, else https
+    ca_bundle: str = ""
+    prefix: str = ""
+    max_concurrency: int | None = Field(None, ge=1, le=1024)  # default 16
+    io_threads: int | None = Field(None, ge=1, le=1024)  # vLLM's name for max_concurrency
+    timeout_s: float = Field(DEFAULT_TIMEOUT_S, ge=0.001, le=3600.0, allow_inf_nan=False)
+    lookup_timeout_s: float | None = Field(None, ge=0.001, le=3600.0, allow_inf_nan=False)
+    retries: int = Field(DEFAULT_RETRIES, ge=0, le=20)
+    store_config: StoreConfig | None = None
+
+    @model_validator(mode="after")
+    def _resolves(self) -> ObjTierConfig:
+        _resolve(self)  # every check that spans fields, once, at validation
+        return self
+
+    def value(self, key: str) -> Any:
+        """Field ``key`` from ``store_config`` where it is set there, else from the top."""
+        nested = self.store_config
+        if nested is not None and key in nested.model_fields_set:
+            return getattr(nested, key)
+        return getattr(self, key)
+
+    def where(self, key: str) -> str:
+        """Where field ``key`` is set, relative to the tier (``store_config.bucket``)."""
+        nested = self.store_config
+        return f"store_config.{key}" if nested and key in nested.model_fields_set else key
+
+
 @dataclass(frozen=True)
 class S3Config:
-    """A validated obj tier config (see `from_section` for the fields and their defaults)."""
+    """A resolved obj tier config: what the tier and the ops tools use."""
 
     bucket: str
     endpoint_override: str = ""  # host[:port] (its scheme, if it had one, is in `scheme`)
@@ -115,45 +169,15 @@ class S3Config:
     path: str = ""  # where the config came from (``secondary_tiers[1]``), for messages
 
     @classmethod
-    def from_section(cls, section: Section) -> S3Config:
-        """Read ``{"type": "obj", "bucket": ..., ...}``; `ConfigError` names a bad field.
+    def from_config(cls, config: ObjTierConfig) -> S3Config:
+        """The resolved form of a validated `ObjTierConfig`."""
+        return cls(**_resolve(config), path=config.path)
 
-        vLLM's shape, with its fields nested under ``"store_config"`` and ``"io_threads"``
-        (an alias of ``max_concurrency``), is accepted too.
-        """
-        section.allow_only(_CONFIG_KEYS)
-        owner = _field_owners(section)
-
-        def text(key: str, default: Any = "", **options: Any) -> Any:
-            return owner.get(key, section).get_str(key, default, allow_empty=True, **options)
-
-        bucket = owner.get("bucket", section).get_str("bucket")
-        if "/" in bucket or any(c.isspace() for c in bucket):
-            raise ConfigError(owner.get("bucket", section).name("bucket"), "is not a bucket name")
-        endpoint_section = owner.get("endpoint_override", section)
-        url_scheme, host = _split_endpoint(text("endpoint_override"), endpoint_section)
-        scheme = _scheme(owner.get("scheme", section), url_scheme, bool(host))
-        access_key, secret_key, session_token = _credentials(section, owner)
-        timeout_s = section.get_float("timeout_s", DEFAULT_TIMEOUT_S, low=0.001, high=3600.0)
-        lookup_default = min(DEFAULT_LOOKUP_TIMEOUT_S, timeout_s)
-        return cls(
-            bucket=bucket,
-            endpoint_override=host,
-            scheme=scheme,
-            access_key=access_key,
-            secret_key=secret_key,
-            session_token=session_token,
-            region=text("region"),
-            ca_bundle=text("ca_bundle"),
-            prefix=section.get_str("prefix", "", allow_empty=True).strip("/"),
-            max_concurrency=_max_concurrency(section),
-            timeout_s=timeout_s,
-            lookup_timeout_s=section.get_float(
-                "lookup_timeout_s", lookup_default, low=0.001, high=3600.0
-            ),
-            retries=section.get_int("retries", DEFAULT_RETRIES, low=0, high=20),
-            path=section.path,
-        )
+    @classmethod
+    def parse(cls, data: Mapping[str, Any], path: str = "") -> S3Config:
+        """Validate ``{"type": "obj", "bucket": ..., ...}`` and resolve it; `ConfigError`
+        names a bad field under ``path``."""
+        return cls.from_config(tier_config({"type": "obj", **data}, path))  # type: ignore[arg-type]
 
     @property
     def endpoint_url(self) -> str | None:
@@ -196,21 +220,64 @@ class S3Config:
         return [self.field(key) for key, value in secrets if value]
 
 
-def _field_owners(section: Section) -> dict[str, Section]:
-    """Which section holds each vLLM field set in vLLM's nested ``store_config``."""
-    if "store_config" not in section.data:
-        return {}
-    nested = Section(section.data["store_config"], section.name("store_config"))
-    nested.allow_only(_VLLM_FIELDS)
-    for key in nested.data:
-        if key in section.data:
-            raise ConfigError(nested.name(key), f"is also set as {section.name(key)}")
-    return dict.fromkeys(nested.data, nested)
+def _resolve(cfg: ObjTierConfig) -> dict[str, Any]:
+    """`S3Config`'s fields from ``cfg``; `ConfigError` names a field relative to the tier."""
+    nested = cfg.store_config
+    if nested is not None:
+        for key in sorted(nested.model_fields_set & cfg.model_fields_set):
+            raise ConfigError(f"store_config.{key}", f"is also set as {key}")
+    bucket = cfg.value("bucket")
+    if bucket is None:
+        raise ConfigError("bucket", "is required (here or in store_config)")
+    if "/" in bucket or any(c.isspace() for c in bucket):
+        raise ConfigError(cfg.where("bucket"), "is not a bucket name")
+    url_scheme, host = _split_endpoint(
+        cfg.value("endpoint_override") or "", cfg.where("endpoint_override")
+    )
+    scheme = cfg.value("scheme") or url_scheme or ("http" if host else "https")
+    if url_scheme and scheme != url_scheme:
+        raise ConfigError(
+            cfg.where("scheme"), f"is {scheme!r} but endpoint_override is {url_scheme}"
+        )
+    access, secret_key, token = (
+        Secret(value.get_secret_value() if value else "")
+        for value in (cfg.value(k) for k in ("access_key", "secret_key", "session_token"))
+    )
+    if access and not secret_key:
+        raise ConfigError(
+            cfg.where("secret_key"), f"is required when {cfg.where('access_key')} is set"
+        )
+    if secret_key and not access:
+        raise ConfigError(
+            cfg.where("access_key"), f"is required when {cfg.where('secret_key')} is set"
+        )
+    if token and not access:
+        raise ConfigError(cfg.where("session_token"), "needs access_key and secret_key")
+    if cfg.io_threads is not None and cfg.max_concurrency is not None:
+        raise ConfigError("io_threads", "set max_concurrency or io_threads, not both")
+    concurrency = cfg.io_threads or cfg.max_concurrency or DEFAULT_MAX_CONCURRENCY
+    lookup = cfg.lookup_timeout_s
+    return {
+        "bucket": bucket,
+        "endpoint_override": host,
+        "scheme": scheme,
+        "access_key": access,
+        "secret_key": secret_key,
+        "session_token": token,
+        "region": cfg.value("region") or "",
+        "ca_bundle": cfg.value("ca_bundle") or "",
+        "prefix": cfg.prefix.strip("/"),
+        "max_concurrency": concurrency,
+        "timeout_s": cfg.timeout_s,
+        "lookup_timeout_s": min(DEFAULT_LOOKUP_TIMEOUT_S, cfg.timeout_s)
+        if lookup is None
+        else lookup,
+        "retries": cfg.retries,
+    }
 
 
-def _split_endpoint(value: str, section: Section) -> tuple[str | None, str]:
+def _split_endpoint(value: str, field: str) -> tuple[str | None, str]:
     """``(scheme or None, host[:port])`` of ``endpoint_override``; ``""`` host for AWS."""
-    field = section.name("endpoint_override")
     if "@" in value:  # never echo: it may carry credentials
         raise ConfigError(field, "must not contain user info; use access_key and secret_key")
     if not value:
@@ -227,39 +294,3 @@ def _split_endpoint(value: str, section: Section) -> tuple[str | None, str]:
     except ValueError as exc:
         raise ConfigError(field, str(exc)) from None
     return parts.scheme or None, parts.netloc
-
-
-def _scheme(section: Section, url_scheme: str | None, has_endpoint: bool) -> str:
-    """The scheme: from the endpoint URL, else ``scheme``, else http for an endpoint (as
-    vLLM) and https for AWS S3."""
-    default = url_scheme or ("http" if has_endpoint else "https")
-    scheme: str = section.get_str("scheme", default, choices=("http", "https"))
-    if url_scheme and scheme != url_scheme:
-        raise ConfigError(
-            section.name("scheme"), f"is {scheme!r} but endpoint_override is {url_scheme}"
-        )
-    return scheme
-
-
-def _credentials(section: Section, owner: dict[str, Section]) -> tuple[Secret, Secret, Secret]:
-    def secret(key: str) -> tuple[Secret, str]:
-        where = owner.get(key, section)
-        return Secret(where.get_str(key, "", allow_empty=True)), where.name(key)
-
-    (access, access_field), (secret_key, secret_field) = secret("access_key"), secret("secret_key")
-    token, token_field = secret("session_token")
-    if access and not secret_key:
-        raise ConfigError(secret_field, f"is required when {access_field} is set")
-    if secret_key and not access:
-        raise ConfigError(access_field, f"is required when {secret_field} is set")
-    if token and not access:
-        raise ConfigError(token_field, "needs access_key and secret_key")
-    return access, secret_key, token
-
-
-def _max_concurrency(section: Section) -> int:
-    if "io_threads" in section.data and "max_concurrency" in section.data:
-        raise ConfigError(section.name("io_threads"), "set max_concurrency or io_threads, not both")
-    key = "io_threads" if "io_threads" in section.data else "max_concurrency"
-    value: int = section.get_int(key, DEFAULT_MAX_CONCURRENCY, low=1, high=1024)
-    return value

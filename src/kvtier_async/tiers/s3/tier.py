@@ -55,7 +55,6 @@ import anyio
 from botocore import exceptions as boto_errors  # type: ignore[import-untyped]
 
 from kvtier_async._log import RateLimited, get_logger
-from kvtier_async.config import Section
 from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics
 from kvtier_async.tiers.blockfile import (
     HEADER_BYTES,
@@ -78,7 +77,7 @@ from kvtier_async.tiers.s3.client import (
     probe_bucket,
     read_into,
 )
-from kvtier_async.tiers.s3.config import S3Config, Scrubber
+from kvtier_async.tiers.s3.config import ObjTierConfig, S3Config, Scrubber
 from kvtier_async.tiers.s3.errors import CircuitOpenError, TierOpenError
 from kvtier_async.tiers.s3.requests import (
     DEFAULT_BACKOFF_S,
@@ -431,6 +430,6 @@ class S3Tier(SecondaryTier):
         return True
 
 
-def from_config(section: Section, name: str, ctx: TierContext) -> S3Tier:
-    """Build an `S3Tier` from its config section (the tier factory's ``"obj"`` entry)."""
-    return S3Tier(name, ctx, S3Config.from_section(section))
+def from_config(config: ObjTierConfig, name: str, ctx: TierContext) -> S3Tier:
+    """Build an `S3Tier` from its validated config (the tier factory's ``"obj"`` entry)."""
+    return S3Tier(name, ctx, S3Config.from_config(config))
