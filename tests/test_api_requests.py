@@ -156,7 +156,7 @@ async def test_a_block_a_tier_deletes_is_announced_and_forgotten(tmp_path: Any) 
         removed = [e for e in got if isinstance(e, BlockRemoved) and e.medium == "STORAGE"]
         assert len(removed) == 1 and removed[0].tier == "disk"
         assert hits < 4
-        assert cache.stats().tiers[0][1].removed_damaged == 1  # type: ignore[attr-defined]
+        assert cache.stats().tiers[0].state.removed_damaged == 1  # type: ignore[attr-defined]
 
 
 # --- soak --------------------------------------------------------------------------------------

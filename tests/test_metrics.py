@@ -169,13 +169,47 @@ async def test_stats_read_for_a_person_and_stay_after_the_close(tmp_path: Path) 
         live = cache.stats()
     final = cache.stats()
     assert final.lookups == live.lookups == 4 and final.lookup_hits == 4
-    assert final.tiers[0][0].cascaded == 4 and final.tiers[0][0].promoted == 4
+    assert final.tiers[0].cascaded == 4 and final.tiers[0].promoted == 4
     text = str(final)
     assert text.splitlines() == [
         "CPU tier: 4/4 slots used (4 readable, 0 writing, 0 pinned); lookups 4, hits 4 (100%)",
         "disk (fs): hits 4/4, promoted 4 (16.4 kB), cascaded 4 (16.4 kB), failed 0, queued 0, "
         "holds 32.8 kB of 65.5 kB",
     ]
+
+
+async def test_stats_and_the_registry_read_one_set_of_figures_per_tier(tmp_path: Path) -> None:
+    registry = prometheus_client.CollectorRegistry()
+    async with TieredKVCache(fs_config(tmp_path, max_bytes=8 * FILE)) as cache:
+        cache.register_metrics(registry)
+        keys = prefix_keys(range(96))  # 6 blocks, 4 of them stored and cascaded
+        await cache.store(keys[:4], blocks(4))
+        await cache.drain()
+        await cache.reset()
+        assert await cache.lookup(keys) == 4
+        await cache.drain()
+        got, stats = scrape(registry), cache.stats()
+    (disk,) = stats.tiers
+    assert (disk.name, disk.kind, disk.state.name) == ("disk", "fs", "disk")
+    assert disk.promoted == disk.cascaded == 4 and disk.lookups == 6 and disk.hits == 4
+    series = {
+        "kvtier_tier_lookups_total": disk.lookups,
+        "kvtier_tier_hits_total": disk.hits,
+        "kvtier_tier_misses_total": disk.misses,
+        "kvtier_tier_promotions_total": disk.promoted,
+        "kvtier_tier_cascades_total": disk.cascaded,
+        "kvtier_tier_queue_depth": disk.queue_depth,
+        "kvtier_tier_used_bytes": disk.state.used_bytes,
+        "kvtier_tier_max_bytes": disk.state.max_bytes,
+    }
+    for name, figure in series.items():
+        assert value(got, name, tier="disk") == figure, name
+    for direction, figure in (("read", disk.bytes_read), ("write", disk.bytes_written)):
+        assert value(got, "kvtier_tier_bytes_total", tier="disk", direction=direction) == figure
+    assert disk.bytes_read == disk.bytes_written == 4 * BLOCK
+    for kind in ("promote", "cascade", "lookup"):
+        assert value(got, "kvtier_tier_failures_total", tier="disk", kind=kind) == 0
+    assert f"hits {disk.hits}/{disk.lookups}, promoted {disk.promoted}" in str(stats)
 
 
 # --- KV events ---------------------------------------------------------------------------------

@@ -746,7 +746,8 @@ async def test_a_cache_over_a_silent_endpoint_drains_and_frees_its_slots(
             _, elapsed = await timed(cache.drain())
             assert elapsed < 2 * 0.5 + SLACK_S, elapsed
             stats = cache.stats()
-            counters, tier_stats = stats.tiers[0]
+            counters = stats.tiers[0]
+            tier_stats = counters.state
             assert (stats.ledger.pinned, stats.ledger.writing) == (0, 0)  # slots released
             assert counters.cascade_failed == 4
             assert (tier_stats.store_failures, tier_stats.circuit_state) == (4, "open")
@@ -777,7 +778,7 @@ async def test_a_cache_lookup_over_a_silent_endpoint_is_a_miss_within_its_deadli
             found, elapsed = await timed(cache.lookup(make_keys(4)))
             assert found == 0
             assert elapsed < 0.3 + SLACK_S, elapsed  # not timeout_s, not (retries + 1) x it
-            assert cache.stats().tiers[0][1].lookup_timeouts >= 1
+            assert cache.stats().tiers[0].state.lookup_timeouts >= 1
 
 
 @pytest.mark.anyio

@@ -57,13 +57,19 @@ from kvtier_async.ledger import (
     JobKind,
     LedgerStatistics,
     PrimaryLedger,
-    TierCounters,
     TieringLedger,
 )
 from kvtier_async.memory import SharedRegion, close_region
-from kvtier_async.metrics import CacheCollector, Samples, samples, summary
+from kvtier_async.metrics import (
+    CacheCollector,
+    Samples,
+    TierMetrics,
+    samples,
+    summary,
+    tier_metrics,
+)
 from kvtier_async.settings import CacheConfig
-from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics, make_tier
+from kvtier_async.tiers.base import SecondaryTier, TierContext, make_tier
 from kvtier_async.transfer.blocks import BlockCopier, DeviceBlock
 from kvtier_async.transfer.plan import HostSlots
 
@@ -90,7 +96,7 @@ class CacheStats:
     fields for code, `samples` for the Prometheus series."""
 
     ledger: LedgerStatistics
-    tiers: list[tuple[TierCounters, TierStatistics]]
+    tiers: list[TierMetrics]  # one per secondary tier, in order
     lanes: list[LaneStatistics]
     lookups: int
     lookup_hits: int
@@ -491,10 +497,11 @@ class TieredKVCache:
         ledger = self.ledger
         engine_tiers = cast("list[SecondaryTier]", engine.tiers)  # the tiers this cache made
         tiers = list(zip(ledger.counters, (t.statistics() for t in engine_tiers)))
+        lanes = engine.statistics()
         return CacheStats(
             ledger.primary.statistics(),
-            tiers,
-            engine.statistics(),
+            tier_metrics(tiers, lanes),
+            lanes,
             self._lookups,
             self._lookup_hits,
             ledger.primary.num_requests,

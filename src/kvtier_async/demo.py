@@ -178,18 +178,16 @@ def render_report(report: DemoReport) -> str:
             f"{device.gbps:.2f}" if device else "-",
         )
     )
-    for counters, tier in stats.tiers:
-        lane = lanes.get(tier.name)
-        moved = tier.bytes_written + tier.bytes_read
+    for tier in stats.tiers:
         rows.append(
             (
                 tier.name,
-                f"{counters.lookups:,}",
-                f"{counters.lookup_hits:,}",
-                f"{counters.promoted:,}",
-                f"{counters.cascaded:,}",
-                _bytes(moved),
-                f"{lane.gbps:.2f}" if lane else "-",
+                f"{tier.lookups:,}",
+                f"{tier.hits:,}",
+                f"{tier.promoted:,}",
+                f"{tier.cascaded:,}",
+                _bytes(tier.bytes_read + tier.bytes_written),
+                f"{tier.gbps:.2f}",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

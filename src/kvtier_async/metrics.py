@@ -5,9 +5,11 @@ parts keep already. The tiering ledger counts, per secondary tier, the keys look
 blocks promoted and cascaded and the keys that failed (`TierCounters`); each engine lane
 tallies its jobs by kind, with bytes and seconds of run time (`LaneStatistics.by_kind`) and
 its queue; each tier reports its own state (`TierStatistics`: bytes held of ``max_bytes``,
-an S3 tier's circuit breaker); the CPU ledger its slots (`LedgerStatistics`). `samples`
-reads them once into ``{series name: {label values: value}}``, cumulative since the cache
-opened, for the series `SERIES` lists.
+an S3 tier's circuit breaker); the CPU ledger its slots (`LedgerStatistics`).
+`tier_metrics` joins the first three into one `TierMetrics` per tier, the one place they
+meet: `CacheStats.tiers` holds those, and `samples` (the series `SERIES` lists, as
+``{series name: {label values: value}}``, cumulative since the cache opened) and `summary`
+read them and nothing else.
 
 Two consumers:
 
@@ -26,7 +28,7 @@ or the cache closed. ``prometheus_client`` is imported only by `CacheCollector` 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -43,9 +45,11 @@ __all__ = [
     "CacheCollector",
     "Samples",
     "Series",
+    "TierMetrics",
     "deltas",
     "samples",
     "summary",
+    "tier_metrics",
 ]
 
 Samples = dict[str, dict[tuple[str, ...], float]]
@@ -147,28 +151,100 @@ _BY_NAME = {s.name: s for s in SERIES}
 ASYNC_API_ONLY = frozenset({"kvtier_device_bytes", "kvtier_device_seconds"})
 """Series only `TieredKVCache` has (the connector's copies are vLLM's own series)."""
 _BREAKER_STATES = ("closed", "open", "probing")
-_DIRECTIONS = (("read", JobKind.PROMOTE), ("write", JobKind.CASCADE), ("lookup", JobKind.LOOKUP))
+
+
+@dataclass(frozen=True)
+class TierMetrics:
+    """Every figure of one secondary tier, read once from the three parts that keep them
+    (see the module docstring): what `CacheStats.tiers` holds, and what `samples` and
+    `summary` read. ``state`` is the tier's own report (`TierStatistics`; a kind's subclass
+    adds its fields, such as the obj tier's ``circuit_state``)."""
+
+    name: str
+    kind: str
+    lookups: int  # keys looked up (the ledger's count)
+    hits: int
+    promoted: int  # blocks, into the CPU tier
+    cascaded: int  # blocks, from the CPU tier
+    promote_failed: int  # keys
+    cascade_failed: int  # keys
+    lookup_failed: int  # keys of lookup jobs that failed whole
+    bytes_read: int  # promotions' bytes
+    bytes_written: int  # cascades' bytes
+    read_seconds: float  # job run time, summed over the tier's workers
+    write_seconds: float
+    lookup_seconds: float
+    queue_depth: int  # jobs queued or running in the tier's lanes
+    gbps: float  # bytes moved per second of I/O job run time, both directions, GB/s
+    state: TierStatistics
+
+    @property
+    def misses(self) -> int:
+        return self.lookups - self.hits
+
+    @property
+    def failed(self) -> int:
+        return self.promote_failed + self.cascade_failed + self.lookup_failed
+
+
+def tier_metrics(
+    tiers: Sequence[tuple[TierCounters, TierStatistics]], lanes: Sequence[LaneStatistics]
+) -> list[TierMetrics]:
+    """One `TierMetrics` per tier, from the ledger's counters and the tier's statistics
+    (in tier order) and the engine's lanes (a tier's are named ``NAME`` for its I/O and
+    ``NAME:lookup`` for its lookups): the one place they are joined."""
+    by_lane = {lane.name: lane for lane in lanes}
+    out = []
+    for counters, stats in tiers:
+        io, lookup = by_lane.get(stats.name), by_lane.get(f"{stats.name}:lookup")
+        read = io.by_kind.get(JobKind.PROMOTE.value) if io is not None else None
+        write = io.by_kind.get(JobKind.CASCADE.value) if io is not None else None
+        asked = lookup.by_kind.get(JobKind.LOOKUP.value) if lookup is not None else None
+        out.append(
+            TierMetrics(
+                name=stats.name,
+                kind=stats.kind,
+                lookups=counters.lookups,
+                hits=counters.lookup_hits,
+                promoted=counters.promoted,
+                cascaded=counters.cascaded,
+                promote_failed=counters.promote_failed,
+                cascade_failed=counters.cascade_failed,
+                lookup_failed=asked.keys_failed if asked else 0,
+                bytes_read=read.bytes if read else 0,
+                bytes_written=write.bytes if write else 0,
+                read_seconds=read.seconds if read else 0.0,
+                write_seconds=write.seconds if write else 0.0,
+                lookup_seconds=asked.seconds if asked else 0.0,
+                queue_depth=sum(
+                    lane.queued_reads + lane.queued_writes + lane.running
+                    for lane in (io, lookup)
+                    if lane is not None
+                ),
+                gbps=io.gbps if io is not None else 0.0,
+                state=stats,
+            )
+        )
+    return out
 
 
 def samples(
     primary: LedgerStatistics | None,
-    tiers: Sequence[tuple[TierCounters, TierStatistics]],
+    tiers: Sequence[TierMetrics],
     lanes: Sequence[LaneStatistics],
 ) -> Samples:
     """Every series' values now, from the CPU ledger's slots (None: not shown), each tier's
-    ledger counters and statistics, and the engine's lanes (a tier's lanes are named after
-    it: ``NAME`` for its I/O, ``NAME:lookup`` for its lookups; ``device`` for copies)."""
+    `TierMetrics` and the engine's ``device`` lane (the copies to and from the caller)."""
     out: Samples = {s.name: {} for s in SERIES}
-    by_lane = {lane.name: lane for lane in lanes}
-    for counters, stats in tiers:
-        _tier_samples(out, counters, stats, by_lane)
+    for tier in tiers:
+        _tier_samples(out, tier)
     if primary is not None:
         slots = out["kvtier_cpu_slots"]
         slots[("free",)] = primary.free
         slots[("evictable",)] = primary.evictable
         slots[("writing",)] = primary.writing
         slots[("pinned",)] = primary.pinned
-    device = by_lane.get("device")
+    device = next((lane for lane in lanes if lane.name == "device"), None)
     if device is not None:
         for direction in ("store", "load"):
             tally = device.by_kind.get(direction)
@@ -178,43 +254,31 @@ def samples(
     return out
 
 
-def _tier_samples(
-    out: Samples,
-    counters: TierCounters,
-    stats: TierStatistics,
-    lanes: Mapping[str, LaneStatistics],
-) -> None:
-    tier = (stats.name,)
-    out["kvtier_tier_lookups"][tier] = counters.lookups
-    out["kvtier_tier_hits"][tier] = counters.lookup_hits
-    out["kvtier_tier_misses"][tier] = counters.lookups - counters.lookup_hits
-    out["kvtier_tier_promotions"][tier] = counters.promoted
-    out["kvtier_tier_cascades"][tier] = counters.cascaded
-    io, lookup = lanes.get(stats.name), lanes.get(f"{stats.name}:lookup")
-    for direction, kind in _DIRECTIONS:
-        lane = lookup if kind is JobKind.LOOKUP else io
-        tally = lane.by_kind.get(kind.value) if lane is not None else None
-        if kind is not JobKind.LOOKUP:
-            out["kvtier_tier_bytes"][(stats.name, direction)] = tally.bytes if tally else 0
-        out["kvtier_tier_seconds"][(stats.name, direction)] = tally.seconds if tally else 0.0
+def _tier_samples(out: Samples, t: TierMetrics) -> None:
+    tier = (t.name,)
+    out["kvtier_tier_lookups"][tier] = t.lookups
+    out["kvtier_tier_hits"][tier] = t.hits
+    out["kvtier_tier_misses"][tier] = t.misses
+    out["kvtier_tier_promotions"][tier] = t.promoted
+    out["kvtier_tier_cascades"][tier] = t.cascaded
+    out["kvtier_tier_bytes"][(t.name, "read")] = t.bytes_read
+    out["kvtier_tier_bytes"][(t.name, "write")] = t.bytes_written
+    out["kvtier_tier_seconds"][(t.name, "read")] = t.read_seconds
+    out["kvtier_tier_seconds"][(t.name, "write")] = t.write_seconds
+    out["kvtier_tier_seconds"][(t.name, "lookup")] = t.lookup_seconds
     failures = out["kvtier_tier_failures"]
-    failures[(stats.name, "promote")] = counters.promote_failed
-    failures[(stats.name, "cascade")] = counters.cascade_failed
-    tally = lookup.by_kind.get(JobKind.LOOKUP.value) if lookup is not None else None
-    failures[(stats.name, "lookup")] = tally.keys_failed if tally else 0
-    out["kvtier_tier_queue_depth"][tier] = sum(
-        lane.queued_reads + lane.queued_writes + lane.running
-        for lane in (io, lookup)
-        if lane is not None
-    )
-    state = getattr(stats, "circuit_state", None)
+    failures[(t.name, "promote")] = t.promote_failed
+    failures[(t.name, "cascade")] = t.cascade_failed
+    failures[(t.name, "lookup")] = t.lookup_failed
+    out["kvtier_tier_queue_depth"][tier] = t.queue_depth
+    state = getattr(t.state, "circuit_state", None)
     if state is not None:
         for name in _BREAKER_STATES:
-            out["kvtier_tier_breaker_state"][(stats.name, name)] = float(state == name)
-    if stats.used_bytes is not None:
-        out["kvtier_tier_used_bytes"][tier] = stats.used_bytes
-    if stats.max_bytes is not None:
-        out["kvtier_tier_max_bytes"][tier] = stats.max_bytes
+            out["kvtier_tier_breaker_state"][(t.name, name)] = float(state == name)
+    if t.state.used_bytes is not None:
+        out["kvtier_tier_used_bytes"][tier] = t.state.used_bytes
+    if t.state.max_bytes is not None:
+        out["kvtier_tier_max_bytes"][tier] = t.state.max_bytes
 
 
 def deltas(before: Samples, now: Samples) -> Samples:
@@ -277,29 +341,21 @@ def summary(stats: Any) -> str:
         f"{ledger.writing} writing, {ledger.pinned} pinned); lookups {stats.lookups}, "
         f"hits {stats.lookup_hits} ({hit_rate:.0%})"
     ]
-    values = samples(None, stats.tiers, stats.lanes)
-    for _, tier in stats.tiers:
-        lines.append(_tier_line(tier, values))
+    lines += [_tier_line(tier) for tier in stats.tiers]
     if stats.events_dropped:
         lines.append(f"events dropped (slow listeners): {stats.events_dropped}")
     return "\n".join(lines)
 
 
-def _tier_line(tier: TierStatistics, values: Samples) -> str:
-    def get(name: str, *labels: str) -> float:
-        return values[name].get((tier.name, *labels), 0)
-
-    failed = sum(get("kvtier_tier_failures", kind) for kind in ("promote", "cascade", "lookup"))
+def _tier_line(t: TierMetrics) -> str:
     line = (
-        f"{tier.name} ({tier.kind}): hits {get('kvtier_tier_hits'):.0f}/"
-        f"{get('kvtier_tier_lookups'):.0f}, promoted {get('kvtier_tier_promotions'):.0f} "
-        f"({_mb(get('kvtier_tier_bytes', 'read'))}), cascaded "
-        f"{get('kvtier_tier_cascades'):.0f} ({_mb(get('kvtier_tier_bytes', 'write'))}), "
-        f"failed {failed:.0f}, queued {get('kvtier_tier_queue_depth'):.0f}"
+        f"{t.name} ({t.kind}): hits {t.hits}/{t.lookups}, promoted {t.promoted} "
+        f"({_mb(t.bytes_read)}), cascaded {t.cascaded} ({_mb(t.bytes_written)}), "
+        f"failed {t.failed}, queued {t.queue_depth}"
     )
-    if tier.max_bytes is not None:
-        line += f", holds {_mb(tier.used_bytes or 0)} of {_mb(tier.max_bytes)}"
-    state = getattr(tier, "circuit_state", None)
+    if t.state.max_bytes is not None:
+        line += f", holds {_mb(t.state.used_bytes or 0)} of {_mb(t.state.max_bytes)}"
+    state = getattr(t.state, "circuit_state", None)
     if state is not None:
         line += f", breaker {state}"
     return line

@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 
-from kvtier_async.metrics import ASYNC_API_ONLY, SERIES, Samples, deltas, samples
+from kvtier_async.metrics import ASYNC_API_ONLY, SERIES, Samples, deltas, samples, tier_metrics
 
 from ._compat import HAS_CONFIG_INFO, CPUOffloadingInfo, metric_sections
 from .layout import OffloadLayout
@@ -150,7 +150,7 @@ class SchedulerMetrics:
 
     def _add_series(self, stats: OffloadingConnectorStats) -> None:
         primary, tiers, lanes = self._scheduler.statistics()
-        now = samples(primary, tiers, lanes)
+        now = samples(primary, tier_metrics(tiers, lanes), lanes)
         for name, values in deltas(self._sent, now).items():
             gauge = _TYPES[name] == "gauge"
             for labels, value in values.items():
