@@ -7,6 +7,10 @@ adds only what is its own (the async API's ``block_bytes`` and ``num_slots``, vL
 mapping with `from_dict` / `ConnectorConfig.from_extra_config`, and a bad field fails with a
 `ConfigError` naming its path (``secondary_tiers[1].root_dir``) and what is allowed.
 
+Built directly (``CacheConfig(block_bytes=65536, num_slots=1024)``, typed for mypy through
+pydantic's plugin), a bad value raises pydantic's ``ValidationError`` (a ValueError too),
+which names the field as well.
+
 ``secondary_tiers`` entries are validated with the rest, each by its kind's model
 (`kvtier_async.tiers.base.tier_config`), so a bad tier field fails at once, not when the
 cache opens.
