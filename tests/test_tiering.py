@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvtier_async.ledger import (
@@ -179,32 +181,119 @@ def test_a_tier_has_one_lookup_out_and_the_keys_asked_meanwhile_go_together() ->
     assert led.walk_prefix("a", [ks(1)]) == (0, False)
 
 
-def test_still_pending_says_whether_a_walk_would_answer_pending_again() -> None:
+def test_version_changes_with_whatever_could_change_a_walk() -> None:
+    """A walk answers as the last one did while `version` stays (the vLLM connector's memo
+    relies on it); each change that could change a walk moves it, and the walk with it."""
     led = tiering(tiers=1)
     store(led, [1])
     apply_all(led, led.take_tasks())  # the cascade: the tier has 1
     assert led.walk_prefix("r", [ks(1, 2, 3)]) == (1, True)  # 2 and 3 asked
-    version = led.tier_version
-    assert led.still_pending(k(2), "r")
-    assert not led.still_pending(k(2), "other")  # not asked by that request
+    version = led.version
+    # asked again, handed out, positions noted, touched: nothing a walk reads changed
+    assert led.walk_prefix("r", [ks(1, 2, 3)]) == (1, True)
     [lookup] = led.take_tasks()
-    assert led.still_pending(k(2), "r")  # being asked
-    led.apply(lookup.task_id, [False, False])  # nowhere
-    assert led.tier_version == version  # nothing found: no walk starts anything new
-    assert not led.still_pending(k(2), "r")  # answered
+    led.note_positions("r", ks(1, 2, 3))
+    led.touch(ks(1))
+    assert led.version == version
+    assert led.walk_prefix("r", [ks(1, 2, 3)]) == (1, True)
+    # the answer: nowhere. The RETRY turns into a MISS
+    led.apply(lookup.task_id, [False, False])
+    assert led.version > version
     assert led.walk_prefix("r", [ks(1, 2, 3)]) == (1, False)
+    # a key the walk hit is evicted (the primary is full of other keys)
+    version = led.version
+    small = tiering(capacity=2, tiers=0)
+    store(small, [1, 2])
+    assert small.walk_prefix("r", [ks(1, 2)]) == (2, False)
+    version = small.version
+    store(small, [3, 4])  # evicts 1 and 2
+    assert small.version > version and small.walk_prefix("r", [ks(1, 2)]) == (0, False)
+    # a key being written becomes readable; a pin and an unpin count too (the room for a
+    # promotion)
+    out = small.prepare_store(ks(5), "w")
+    assert out is not None and small.walk_prefix("r", [ks(5)]) == (0, True)
+    version = small.version
+    small.complete_store(ks(5))
+    assert small.version > version and small.walk_prefix("r", [ks(5)]) == (1, False)
+    for change in (lambda: small.prepare_load(ks(5)), lambda: small.complete_load(ks(5))):
+        version = small.version
+        change()
+        assert small.version > version
+    # a tier's answers: found (then promoted), removed by the tier, a reset
+    version = led.version
     assert led.walk_prefix("s", [ks(4)]) == (0, True)
+    assert led.version == version  # asked: nothing changed yet
     [lookup] = led.take_tasks()
-    led.apply(lookup.task_id, [True])  # found: a walk would promote it now
-    assert led.tier_version == version + 1
+    led.apply(lookup.task_id, [True])
+    assert led.version > version
+    version = led.version
     assert led.walk_prefix("s", [ks(4)]) == (0, True)  # its promotion started
-    assert led.still_pending(k(4), "s")  # being written to the primary
+    assert led.version > version  # a slot reserved
+    version = led.version
     [promote] = led.take_tasks()
     apply_all(led, [promote])
-    assert led.tier_version == version + 2 and not led.still_pending(k(4), "s")
-    two = tiering(tiers=2)
-    assert two.walk_prefix("r", [ks(5)]) == (0, True)
-    assert not two.still_pending(k(5), "r")  # with two tiers: only a fresh walk can say
+    assert led.version > version and led.walk_prefix("s", [ks(4)]) == (1, False)
+    version = led.version
+    led.tier_removed(0, ks(9))
+    assert led.version > version
+    version = led.version
+    led.reset()
+    assert led.version > version
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_walk_at_the_same_version_answers_as_the_last_one(seed: int) -> None:
+    """Random stores, loads, evictions, tier answers, promotions, removals and resets: each
+    time a request walks a prefix it walked before, at the version that walk left, it gets
+    the same answer and changes nothing (the version stays); a memo keyed on the version is
+    never stale."""
+    rng = random.Random(seed)
+    for tiers in (0, 1, 2):
+        led = tiering(capacity=6, tiers=tiers)
+        prefixes = [ks(*rng.sample(range(12), rng.randint(1, 6))) for _ in range(4)]
+        memo: dict[tuple[str, int], tuple[int, tuple[int, bool]]] = {}
+        pinned: list[list[bytes]] = []
+        writing: list[list[bytes]] = []
+        tasks: list[TierTask] = []
+        recalled = 0
+        for _ in range(300):
+            op = rng.randrange(8)
+            if op <= 2:  # a walk
+                req, which = rng.choice("ab"), rng.randrange(len(prefixes))
+                before = memo.pop((req, which), None)
+                answer = led.walk_prefix(req, [prefixes[which]])
+                if before is not None and before[0] == led.version:
+                    assert answer == before[1], (seed, tiers)
+                    recalled += 1
+                if led.walk_stable:
+                    memo[req, which] = (led.version, answer)
+            elif op == 3:  # a store begins, or one ends
+                if writing and rng.random() < 0.5:
+                    led.complete_store(writing.pop(0), success=rng.random() < 0.9)
+                else:
+                    out = led.prepare_store(ks(*rng.sample(range(12), 2)), "w")
+                    if out is not None and out.keys_to_store:
+                        writing.append(out.keys_to_store)
+            elif op == 4:
+                keys = [key for key in ks(*range(12)) if led.primary.lookup(key) is HIT][:2]
+                if keys and rng.random() < 0.5:
+                    led.prepare_load(keys, "p")
+                    pinned.append(keys)
+                elif pinned:
+                    led.complete_load(pinned.pop())
+            elif op == 5:
+                tasks += led.take_tasks()
+            elif op == 6 and tasks:
+                task = tasks.pop(rng.randrange(len(tasks)))
+                led.apply(task.task_id, [rng.random() < 0.5 for _ in task.keys])
+            elif op == 7:
+                if tiers and rng.random() < 0.3:
+                    led.tier_removed(rng.randrange(tiers), ks(rng.randrange(12)))
+                elif rng.random() < 0.1:  # its lookup answers go: its next walk asks again
+                    done = rng.choice("ab")
+                    led.request_finished(done)
+                    memo = {key: value for key, value in memo.items() if key[0] != done}
+        assert recalled > 3, (seed, tiers)  # the check ran
 
 
 def test_walk_prefix_answers_as_lookup_does() -> None:

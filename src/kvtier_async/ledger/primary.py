@@ -54,6 +54,15 @@ nothing. A ``prepare_store`` answering None reserves and evicts nothing, but kee
 vLLM keeps from the offer: its admission counts, its store misses (and ARC's adaptation to
 them) and what the request saw.
 
+Walks and the version. `walk` is `lookup` along a prefix in one call: the loop over the
+keys is here, not in every caller. ``version`` counts the calls that changed a key's state
+(absent / being written / readable) or a reference count (so the room a reservation would
+find): `prepare_store` when it reserved or evicted, `complete_store` when it finished a
+write, `prepare_load`, `complete_load`, `reset`. While it stays the same, every `walk` and
+`lookup` answers as before, and so does a reservation; a caller may keep an answer keyed on
+it (the vLLM connector does: `TieringLedger.version`). A bump that changed nothing (an
+empty `prepare_load`) only makes such a caller ask again.
+
 Events: a key evicted or written is announced; a failed write announces a
 ``metadata_only`` removal (the key was never announced), dropped at `take_events` for keys
 written again since, as vLLM does.
@@ -130,6 +139,8 @@ class PrimaryLedger:
         # async API with no listener, must not accumulate them).
         self.events_enabled = True
         self.generation = 0
+        # Changes whenever a walk could answer otherwise (see the module docstring).
+        self.version = 0
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -146,6 +157,35 @@ class PrimaryLedger:
         if slot is None:
             return _MISS
         return _HIT if self._ref[slot] >= 0 else _PENDING
+
+    def walk(self, keys: Sequence[bytes], start: int = 0) -> tuple[int, int]:
+        """`lookup` along ``keys[start:]``, head first, in one call: ``(ready, held)``,
+        how many leading keys are readable (HIT) and how many are held at all (HIT or
+        HIT_PENDING). So ``keys[start + held]`` is absent (MISS), unless the keys ran out,
+        and ``keys[start + ready]`` is being written when ``ready < held``; the keys after
+        the first absent one are not read."""
+        slot_of, ref = self._slot_of, self._ref
+        ready = -1  # until the first key being written
+        held = 0
+        for key in itertools.islice(keys, start, None) if start else keys:
+            slot = slot_of.get(key)
+            if slot is None:
+                break
+            if ready < 0 and ref[slot] < 0:
+                ready = held
+            held += 1
+        return (held if ready < 0 else ready), held
+
+    def absent_run(self, keys: Sequence[bytes], start: int = 0) -> int:
+        """How many leading keys of ``keys[start:]`` are absent (`lookup`: MISS): where
+        `walk` should start again."""
+        slot_of = self._slot_of
+        absent = 0
+        for key in itertools.islice(keys, start, None) if start else keys:
+            if key in slot_of:
+                break
+            absent += 1
+        return absent
 
     def __contains__(self, key: object) -> bool:
         return key in self._slot_of
@@ -286,6 +326,7 @@ class PrimaryLedger:
             self._refuse_load(keys, slots)
         for slot in slots:
             ref[slot] += 1
+        self.version += 1
         idle = counts.count(0)
         if idle:  # a key twice in ``keys`` leaves idle once
             self._num_evictable -= (
@@ -316,6 +357,7 @@ class PrimaryLedger:
                 for slot in slots:
                     ref[slot] -= 1
                 self._num_evictable += counts.count(1)
+                self.version += 1
                 return
         needed = Counter(slots) if len(set(slots)) < len(slots) else dict.fromkeys(slots, 1)
         for key, slot in zip(keys, slots):
@@ -327,6 +369,7 @@ class PrimaryLedger:
             ref[slot] = count
             if count == 0:
                 self._num_evictable += 1
+        self.version += 1
 
     def touch(self, keys: Sequence[bytes], req: Hashable | None = None) -> None:
         """Mark keys (head -> tail of a prefix) as recently used, as vLLM's ``touch`` does
@@ -417,6 +460,7 @@ class PrimaryLedger:
             self._release(victims)
         slots = self._allocate(new, state)
         state.inserted.update(new)
+        self.version += 1
         return PrepareStoreOutput(new, CPUSpec(np.array(slots, dtype=np.int64)), victims)
 
     def _release(self, victims: list[bytes]) -> None:
@@ -459,6 +503,7 @@ class PrimaryLedger:
                 done.append(key)
         if not done:
             return done
+        self.version += 1
         self._num_writing -= len(done)
         if success:
             for key in done:
@@ -509,3 +554,4 @@ class PrimaryLedger:
         self._reqs.clear()  # the admission counts stay, as in vLLM
         self._reset_counters()
         self.generation += 1
+        self.version += 1

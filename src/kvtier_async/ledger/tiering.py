@@ -30,6 +30,18 @@ Lookup answers are kept while a request that asked is alive (`request_finished` 
 them), so one request sees one consistent answer per key; cascades and failed promotions
 update them.
 
+Walks. `walk_prefix` is `lookup` along a prefix; it reads the primary through
+`PrimaryLedger.walk` (the keys it holds, in one call per run of them) and asks the tiers
+only about the keys it lacks. `version` changes whenever a walk could answer otherwise or
+start something new: the primary's `PrimaryLedger.version` (its keys' states and reference
+counts, so the room for a promotion) plus every change of what the tiers answered (a lookup
+answered, a promotion applied, a cascade or a tier's removal changing a known answer, a
+reset). While it stays the same, a walk by a request that walked the same keys before
+(and is still running: `request_finished` drops its answers) answers as that walk did and
+starts nothing: the vLLM connector keys its one memo on it. One walk is the exception, and
+says so (`walk_stable` False): one whose own promotion evicted a key of its prefix, which
+it may have read as a hit before.
+
 `reset` clears the primary and drops queued work; tasks already handed out must be applied
 first (the owner drains the engine), since their memory is about to be reused.
 """
@@ -186,11 +198,10 @@ class TieringLedger:
         self._ids = itertools.count(1)
         self._events: list[OffloadingEvent] = []
         self.generation = 0
-        # Bumped whenever a walk could start something new or answer otherwise for a reason
-        # other than its first pending key (a tier found a key, a promotion ended, a
-        # cascade changed a known answer, a tier removed keys, a reset): see
-        # `still_pending`.
-        self.tier_version = 0
+        self._tier_changes = 0  # changes of what the tiers answer (see `version`)
+        self._evicted: list[bytes] = []  # by promotions since the last walk began
+        # Whether the last `walk_prefix`'s answer is a walk's now, nothing changed since.
+        self.walk_stable = True
 
     # --- lookups -----------------------------------------------------------------------
 
@@ -214,6 +225,13 @@ class TieringLedger:
                 return self._promote(index, key, req)
         return LookupResult.RETRY if retry else LookupResult.MISS
 
+    @property
+    def version(self) -> int:
+        """Changes whenever a walk could answer otherwise or start something new (see the
+        module docstring): the primary's version plus the changes of the tiers' answers,
+        both only ever growing."""
+        return self.primary.version + self._tier_changes
+
     def walk_prefix(self, req: Hashable, groups: Sequence[Sequence[bytes]]) -> tuple[int, bool]:
         """`lookup` along a prefix, head first, for request ``req``: position ``i`` is the
         key ``groups[g][i]`` of each KV-cache group ``g`` (one group: ``[keys]``). Returns
@@ -221,36 +239,25 @@ class TieringLedger:
         the first MISS (in any group) is still on its way: RETRY or HIT_PENDING, to ask
         again once the tasks `take_tasks` hands out were applied. Positions after a pending
         one are still looked up, up to that MISS, so their probes and promotions start now
-        (and are batched); at a position every group's key is looked up."""
+        (and are batched); at a position every group's key is looked up.
+
+        `walk_stable` says afterwards whether a walk now would answer the same (see the
+        module docstring): False when a promotion it started evicted a key of the prefix."""
+        evicted = self._evicted
+        if evicted:
+            evicted.clear()
+        answer = (
+            self._walk_keys(req, groups[0])
+            if len(groups) == 1  # the common case: no list per position
+            else self._walk_groups(req, groups)
+        )
+        self.walk_stable = not evicted or set(evicted).isdisjoint(itertools.chain(*groups))
+        return answer
+
+    def _walk_groups(self, req: Hashable, groups: Sequence[Sequence[bytes]]) -> tuple[int, bool]:
+        """`walk_prefix` of several groups: `lookup` at each position."""
         hits, pending, lookup = 0, False, self.lookup
         hit, miss = LookupResult.HIT, LookupResult.MISS
-        if len(groups) == 1:  # the common case: no list per position
-            # The primary's answer inline (as `PrimaryLedger.lookup`): a re-asked request
-            # walks its keys every step, and most of them are in the primary.
-            slot_of, ref, tiers = self.primary._slot_of, self.primary._ref, self._lookup_tiers
-            # With one tier, its answers too: a key this request asked already and the tier
-            # has not answered yet is a RETRY, with nothing to record.
-            probes = self._lookups[0].probes if len(self._lookups) == 1 else {}
-            for key in groups[0]:
-                slot = slot_of.get(key)
-                if slot is not None:
-                    if ref[slot] < 0:
-                        pending = True
-                    elif not pending:
-                        hits += 1
-                    continue
-                probe = probes.get(key)
-                if probe is not None and probe.answer is None and req in probe.reqs:
-                    pending = True
-                    continue
-                result = tiers(key, req)
-                if result is miss:
-                    break
-                if result is hit:
-                    hits += not pending
-                else:
-                    pending = True
-            return hits, pending
         for keys in zip(*groups):
             results = [lookup(key, req) for key in keys]
             if miss in results:
@@ -261,25 +268,39 @@ class TieringLedger:
                 pending = True
         return hits, pending
 
-    def still_pending(self, key: bytes, req: Hashable) -> bool:
-        """Whether ``key``, the first pending key of a walk by ``req``, is pending still
-        and for a walk by ``req`` just as it was, so that a walk of the same keys (by
-        `walk_prefix`, with no change of `tier_version` since) would answer pending again:
-        it is being written to the primary, or (with one tier) absent from the primary and
-        asked by ``req`` but not answered. Skipping that walk differs from it only through
-        what the primary evicted or took in since, which the version does not follow: a
-        key evicted since (before the pending one or after it) would be asked of the tier
-        or promoted, or, the tier known to lack one before the pending key, the walk would
-        end there with fewer hits; keys after one that arrived would be asked. All of it
-        happens at the next walk instead, a step or so later: an answer is late, never
-        wrong."""
-        slot = self.primary._slot_of.get(key)
-        if slot is not None:
-            return self.primary._ref[slot] < 0
-        if len(self._lookups) != 1:
-            return False
-        probe = self._lookups[0].probes.get(key)
-        return probe is not None and probe.answer is None and req in probe.reqs
+    def _walk_keys(self, req: Hashable, keys: Sequence[bytes]) -> tuple[int, bool]:
+        """`walk_prefix` of one group: the primary's runs of keys with `PrimaryLedger.walk`
+        (a re-asked request walks its keys every step, and most of them are there), the
+        tiers for each key the primary lacks."""
+        primary = self.primary
+        walk, absent_run, tiers = primary.walk, primary.absent_run, self._lookup_tiers
+        # With one tier, its answers too: a key this request asked already and the tier
+        # has not answered yet is a RETRY, with nothing to record.
+        probes = self._lookups[0].probes if len(self._lookups) == 1 else {}
+        retry, miss = LookupResult.RETRY, LookupResult.MISS
+        hits, pending, i, n = 0, False, 0, len(keys)
+        while True:
+            ready, held = walk(keys, i)
+            if not pending:
+                hits += ready
+                pending = ready < held
+            i += held
+            if i >= n or not self._lookups:  # no tier: a key the primary lacks is a MISS
+                return hits, pending
+            end = i + absent_run(keys, i)
+            while i < end:  # keys the primary lacks: the tiers
+                key = keys[i]
+                i += 1
+                probe = probes.get(key)
+                if probe is not None and probe.answer is None and req in probe.reqs:
+                    pending = True
+                    continue
+                result = tiers(key, req)
+                if result is miss:
+                    return hits, pending
+                pending = True  # RETRY, or HIT_PENDING: promoting (never a HIT)
+                if result is not retry:
+                    break  # a promotion changed the primary: its runs are read again
 
     def _promote(self, tier: int, key: bytes, req: Hashable) -> LookupResult:
         # vLLM's tiering manager reserves the slot with the CPU manager's own prepare_store
@@ -287,6 +308,8 @@ class TieringLedger:
         out = self.primary.prepare_store((key,), req, admit_all=True)
         if out is None or not out.keys_to_store:
             return LookupResult.MISS
+        if out.evicted_keys:
+            self._evicted += out.evicted_keys
         keys, slots = self._promotions.setdefault((tier, req), ([], []))
         keys.append(key)
         slots.append(int(out.store_spec.slot_ids[0]))
@@ -328,6 +351,10 @@ class TieringLedger:
             if todo:
                 spec = self.primary.prepare_load(todo, record=False)  # not a request's use
                 self._queued.append(self._task(JobKind.CASCADE, index, todo, spec.slot_ids))
+
+    def slots_of(self, keys: Iterable[bytes]) -> list[int | None]:
+        """The primary slot of each key (None where it holds none), in order."""
+        return self.primary.slots_of(keys)
 
     def prepare_load(self, keys: Sequence[bytes], req: Hashable | None = None) -> IntArray:
         return self.primary.prepare_load(keys, req).slot_ids
@@ -382,9 +409,9 @@ class TieringLedger:
             lookups.answer(task.keys, ok)
             counters.lookups += len(task.keys)
             counters.lookup_hits += len(good)
-            self.tier_version += bool(good)  # a key found: a walk may promote it now
+            self._tier_changes += 1  # answers: a RETRY turns into a promotion or a miss
         elif task.kind is JobKind.PROMOTE:
-            self.tier_version += 1
+            self._tier_changes += 1
             self.primary.complete_store(good, True)
             self.primary.complete_store(bad, False)
             lookups.set_known(bad, False)
@@ -392,7 +419,7 @@ class TieringLedger:
             counters.promote_failed += len(bad)
         else:
             self.primary.complete_load(task.keys)
-            self.tier_version += lookups.set_known(good, True)
+            self._tier_changes += lookups.set_known(good, True)
             counters.cascaded += len(good)
             counters.cascade_failed += len(bad)
             if good:
@@ -402,7 +429,7 @@ class TieringLedger:
         """Tier ``tier`` deleted ``keys`` itself (a block failed verification, or its own
         GC): later lookups ask it again, and a removal is announced."""
         if keys:
-            self.tier_version += 1
+            self._tier_changes += 1
             self._lookups[tier].set_known(keys, False)
             self._emit(tier, list(keys), removed=True)
 
@@ -469,4 +496,4 @@ class TieringLedger:
             tier.clear()
         self.primary.reset()
         self.generation += 1
-        self.tier_version += 1
+        self._tier_changes += 1

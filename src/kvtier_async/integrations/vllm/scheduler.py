@@ -7,9 +7,16 @@ below for the one bounded wait):
   from its first block not computed locally. A tier that has not answered makes the answer
   None ("ask again"), and so does a job of the request still in flight. Hits are pinned at
   once (the pins wait for ``update_state_after_alloc``, or are released when the request is
-  asked again or ends), and loaded asynchronously. A request asked again while the key
-  its last walk waited on is still pending, with no tier result since that could change
-  the walk, gets None at once, without a walk (`TieringLedger.still_pending`).
+  asked again or ends), and loaded asynchronously. vLLM asks a request again each step it
+  could not schedule it: the answer is kept in one memo per request (``_Request.walked``)
+  with the ledger's `TieringLedger.version` and the walk's bounds (the local tokens, the
+  last block), and an ask with the same bounds while the version is the same gets it
+  again without a walk (with the pins it holds). That is the memo's one rule: the version
+  changes with every change of the ledger that could change a walk's answer (a key stored,
+  written, evicted, pinned or unpinned, a tier's answer, a promotion). The request's own
+  state is checked before the memo: a job in flight, a cache reset's fence or a failed
+  load answer as they always do. Without tiers a walk changes nothing, so a request asked
+  again with its hits pinned keeps the pins while the walk finds the same hits.
 - ``update_state_after_alloc``: pair the hit keys with the GPU blocks vLLM allocated
   (``block_size_factor`` GPU blocks per key; the first may start inside a key's span).
 - ``build_connector_meta``: choose what to store (reference 3.1): tokens computed or
@@ -61,7 +68,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -104,6 +111,16 @@ class _DeviceJobState:
     sync: bool = False  # a sync load (see `ConnectorScheduler._load_async`)
 
 
+class _Walk(NamedTuple):
+    """An ask's walk: the ledger's version after it (its pins taken), its bounds and its
+    answer: the tokens hit (0: none), None for "ask again"."""
+
+    version: int
+    local_tokens: int  # vLLM's num_computed_tokens
+    last: int  # the end of the walk (exclusive), in offloaded blocks
+    tokens: int | None
+
+
 @dataclass
 class _Request:
     req: Any  # vllm.v1.request.Request
@@ -114,12 +131,16 @@ class _Request:
     pinned: list[bytes] = field(default_factory=list)  # hits pinned, not yet loading
     pinned_slots: npt.NDArray[np.int64] | None = None  # their CPU slots (pins keep them)
     pinned_tokens: int = 0  # the answer the pins were taken for
-    # The first pending key of the last walk, with the ledger's tier version and the walk's
-    # bounds then (see `TieringLedger.still_pending`); None when the walk was not pending.
-    waiting_on: tuple[bytes, int, int, int] | None = None
+    walked: _Walk | None = None  # the last ask's walk and answer (the module docstring)
     num_local_tokens: int = 0
     finished: bool = False
     load_failed: bool = False  # then the request recomputes instead of loading again
+
+    @property
+    def waiting_on(self) -> _Walk | None:
+        """The memo while its walk waits on a key (the answer "ask again"), else None."""
+        walked = self.walked
+        return walked if walked is not None and walked.tokens is None else None
 
 
 class ConnectorScheduler:
@@ -159,7 +180,10 @@ class ConnectorScheduler:
             primary, [t.name for t in tiers], store_policy=StorePolicy(config.store_policy)
         )
         self._reqs: dict[str, _Request] = {}
-        self._settled: set[str] = set()  # running requests with nothing left to store
+        # Running requests with nothing left to store (``offload_prompt_only``): a request
+        # joins when its cursors reach its prompt's end (`_maybe_settle`) and leaves when
+        # they go back to 0 (`_rewind`) or it is dropped; stores skip it. Not a walk memo.
+        self._settled: set[str] = set()
         self._jobs: dict[int, _DeviceJobState] = {}
         self._job_ids = itertools.count(1)
         self._stale_below = 0  # device jobs from before a reset_cache are ignored
@@ -287,50 +311,66 @@ class ConnectorScheduler:
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         self._drain_tier_results()
-        st = self._reqs.get(request.request_id)
-        if (
-            st is not None
-            and st.waiting_on is not None
-            and self._still_waiting(st, request, num_computed_tokens)
-        ):
-            return None, False
         st = self._state(request)
-        self._settled.discard(request.request_id)
+        self._rewind(st)  # (re)starting: offer every block again
         st.block_ids = [[] for _ in st.block_ids]
-        st.cursor = [0] * len(st.cursor)  # (re)starting: offer every block again
-        if st.pinned:
-            if self._same_hits(st, request, num_computed_tokens):
-                return st.pinned_tokens, self._load_async(st, num_computed_tokens)
-            self._unpin(st)
         if st.jobs:
+            self._unpin(st)
             return None, False
-        if self._reset_fence:
-            return 0, False  # no promotion into a slot a late copy may touch
-        if st.load_failed:
+        if self._reset_fence or st.load_failed:
+            # No promotion into a slot a late copy may touch; a failed load recomputes.
+            self._unpin(st)
             return 0, False
         self._update_keys(st)
-        st.num_local_tokens = num_computed_tokens
-        chunk = self.layout.chunk_tokens
-        first = num_computed_tokens // chunk
         # At least one token must be left to compute: never the request's last token.
-        last = min(len(st.keys[0]), (request.num_tokens - 1) // chunk)
-        ledger = self.ledger
-        hits, pending = ledger.walk_prefix(
-            request.request_id, [keys[first:last] for keys in st.keys]
+        last = min(len(st.keys[0]), (request.num_tokens - 1) // self.layout.chunk_tokens)
+        walked = st.walked
+        if (
+            walked is not None
+            and walked.version == self.ledger.version
+            and walked.local_tokens == num_computed_tokens
+            and walked.last == last
+        ):
+            tokens = walked.tokens
+            if tokens is None or not tokens:
+                return tokens, False
+            if st.pinned:
+                return tokens, self._load_async(st, num_computed_tokens)
+        return self._walk(st, num_computed_tokens, last)
+
+    def _walk(self, st: _Request, num_computed_tokens: int, last: int) -> tuple[int | None, bool]:
+        """Walk the request's keys from its first block not computed locally to ``last``,
+        pin the hits and answer; the answer goes into the memo (see the module
+        docstring). Pins the request holds are released first, unless no tier can change
+        what the walk reads (no promotion): then they stay if it finds the same hits."""
+        ledger, chunk = self.ledger, self.layout.chunk_tokens
+        kept = 0  # the tokens of the pins kept through the walk
+        if st.pinned:
+            if self.tiers or st.num_local_tokens != num_computed_tokens:
+                self._unpin(st)
+            else:
+                kept = st.pinned_tokens
+        st.num_local_tokens = num_computed_tokens
+        first = num_computed_tokens // chunk
+        req_id = st.req.request_id
+        hits, pending = ledger.walk_prefix(req_id, [keys[first:last] for keys in st.keys])
+        tokens = None if pending else max(0, (first + hits) * chunk - num_computed_tokens)
+        if tokens != kept:
+            self._unpin(st)
+            if tokens:
+                keys = self._chunk_keys(st, first, first + hits)
+                # A reuse, as vLLM's prepare_load.
+                st.pinned_slots = ledger.prepare_load(keys, req_id)
+                st.pinned = keys
+                st.pinned_tokens = tokens
+        # Kept unless the walk's own promotion evicted a key of its prefix (it may have
+        # read it as a hit): then the next ask walks again.
+        st.walked = (
+            _Walk(ledger.version, num_computed_tokens, last, tokens) if ledger.walk_stable else None
         )
-        if pending:
-            if len(st.keys) == 1:  # the first key not hit is the first pending one
-                st.waiting_on = (st.keys[0][first + hits], ledger.tier_version, first, last)
-            return None, False
-        end_tokens = (first + hits) * chunk
-        if hits == 0 or end_tokens <= num_computed_tokens:
-            return 0, False
-        keys = self._chunk_keys(st, first, first + hits)
-        # A reuse, as vLLM's prepare_load.
-        st.pinned_slots = self.ledger.prepare_load(keys, request.request_id)
-        st.pinned = keys
-        st.pinned_tokens = end_tokens - num_computed_tokens
-        return st.pinned_tokens, self._load_async(st, num_computed_tokens)
+        if not tokens:
+            return tokens, False
+        return tokens, self._load_async(st, num_computed_tokens)
 
     def _load_async(self, st: _Request, num_computed_tokens: int) -> bool:
         """Whether the hit pinned for ``st`` loads asynchronously (vLLM's default), or
@@ -351,45 +391,6 @@ class ConnectorScheduler:
         self._step_sync_bytes += nbytes
         self._step_sync.add(req_id)
         return False
-
-    def _still_waiting(self, st: _Request, request: Any, num_computed_tokens: int) -> bool:
-        """Whether a request asked again while its last walk waits on a key (a request
-        that did not run since: no pins, no jobs, no blocks) would get "ask again" once
-        more, and start nothing: the same bounds, no tier result since that could change
-        the walk (`TieringLedger.tier_version`), and that key still pending. Then the rest
-        of the ask is skipped too. Clears the memo when not."""
-        waiting = st.waiting_on
-        assert waiting is not None
-        chunk = self.layout.chunk_tokens
-        last = min(len(st.keys[0]), (request.num_tokens - 1) // chunk)
-        ledger = self.ledger
-        if (
-            not self._reset_fence
-            and waiting[1:] == (ledger.tier_version, num_computed_tokens // chunk, last)
-            and ledger.still_pending(waiting[0], request.request_id)
-        ):
-            st.num_local_tokens = num_computed_tokens
-            return True
-        st.waiting_on = None
-        return False
-
-    def _same_hits(self, st: _Request, request: Any, num_computed_tokens: int) -> bool:
-        """Whether a request asked again (vLLM could not schedule it) would get the answer
-        it holds pins for: its hits are pinned, so still there, and the key after them is
-        still absent. Then the walk, the unpinning and the pinning again (a reuse already
-        recorded) are skipped. Only without tiers (a tier may have answered since) and with
-        the same locally computed tokens."""
-        if self.tiers or self._reset_fence or st.jobs or st.load_failed:
-            return False
-        if num_computed_tokens != st.num_local_tokens:
-            return False
-        chunk = self.layout.chunk_tokens
-        after = (num_computed_tokens + st.pinned_tokens) // chunk  # the first key not hit
-        last = min(len(st.keys[0]), (request.num_tokens - 1) // chunk)
-        if after >= last:
-            return True
-        slot_of = self.ledger.primary.slot_of
-        return all(slot_of(keys[after]) is None for keys in st.keys)
 
     def _chunk_keys(self, st: _Request, start: int, end: int) -> list[bytes]:
         return [key for keys in st.keys for key in keys[start:end]]
@@ -450,7 +451,7 @@ class ConnectorScheduler:
         if len(wanted) < len(st.pinned):
             self.ledger.complete_load([key for key in st.pinned if key not in wanted])
         st.pinned = []
-        slots = self.ledger.primary.slots_of(keys)
+        slots = self.ledger.slots_of(keys)
         if None in slots:
             raise RuntimeError("a pinned key left the CPU tier")  # pins prevent this
         return np.array(slots, dtype=np.int64)
@@ -607,6 +608,12 @@ class ConnectorScheduler:
                     where.append((g, c))
         return offer, where
 
+    def _rewind(self, st: _Request) -> None:
+        """Offer every block of the request again: its cursors back to 0, so it is not
+        settled any more."""
+        st.cursor = [0] * len(st.cursor)
+        self._settled.discard(st.req.request_id)
+
     def _maybe_settle(self, st: _Request) -> None:
         """With ``offload_prompt_only``, a running request whose cursors passed its prompt
         has nothing more to store: later steps skip it without a call."""
@@ -739,11 +746,10 @@ class ConnectorScheduler:
             self._reset_fence[job_id] = job.pending
         self._jobs.clear()
         self._stale_below = next(self._job_ids)
-        self._settled.clear()
         for st in self._reqs.values():
             st.jobs.clear()
             st.pinned, st.pinned_slots = [], None
-            st.cursor = [0] * len(st.cursor)
+            self._rewind(st)
         # A request that ended before the reset is dropped, as vLLM's connector drops it:
         # its GPU blocks were freed (vLLM's own reset dropped their hashes), so its last
         # blocks are not stored in the new generation, whether or not this step's
