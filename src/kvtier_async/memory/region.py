@@ -146,8 +146,6 @@ class SharedRegion:
             raise ValueError(f"role must be 'worker', 'scheduler' or None, got {role!r}")
         if token is not None and (not isinstance(token, str) or not token):
             raise ValueError(f"token must be a non-empty string or None, got {token!r}")
-        self._role = role
-        self._token = token
         self._num_slots = _check_int("num_slots", num_slots, low=1)
         self._slot_bytes = _check_int("slot_bytes", slot_bytes, low=1)
         self._num_workers = _check_int("num_workers", num_workers, low=1)
