@@ -111,7 +111,7 @@ def test_capacity_four_evicts_oldest() -> None:
     verify_counts(ledger)
 
 
-POLICIES = ["lru", "arc", "prefix"]
+POLICIES = ["lru", "arc", "prefix", "reuse"]
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -249,9 +249,17 @@ class PrefixLedgerMachine(LedgerMachine):
         assert 0.0 <= policy.target_private <= 5.0
 
 
+class ReuseLedgerMachine(PrefixLedgerMachine):
+    """The ``reuse`` policy (a `PrefixPolicy`): the same invariants, its own decisions."""
+
+    policy = "reuse"
+
+
 TestLRULedger = LedgerMachine.TestCase
 TestLRULedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestARCLedger = ARCLedgerMachine.TestCase
 TestARCLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestPrefixLedger = PrefixLedgerMachine.TestCase
 TestPrefixLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestReuseLedger = ReuseLedgerMachine.TestCase
+TestReuseLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -1,4 +1,4 @@
-"""Policies by name: the built-in ones (``lru``, ``arc``, ``prefix``) and any
+"""Policies by name: the built-in ones (``lru``, ``arc``, ``prefix``, ``reuse``) and any
 ``package.module:ClassName`` that names a `CachePolicy` subclass.
 
 Apart from the policies so that each policy module builds only on `policy` (the base
@@ -13,6 +13,7 @@ from .arc import ARCPolicy
 from .lru import LRUPolicy
 from .policy import CachePolicy, SlotTable
 from .prefix_policy import PrefixPolicy
+from .reuse_policy import ReusePolicy
 
 __all__ = ["check_policy", "make_policy"]
 
@@ -20,11 +21,13 @@ _BUILTIN: dict[str, type[CachePolicy]] = {
     "lru": LRUPolicy,
     "arc": ARCPolicy,
     "prefix": PrefixPolicy,
+    "reuse": ReusePolicy,
 }
 
 
 def make_policy(name: str, capacity: int, table: SlotTable) -> CachePolicy:
-    """Build a policy by name (``lru``, ``arc``, ``prefix``) or by ``package.module:ClassName``."""
+    """Build a policy by name (``lru``, ``arc``, ``prefix``, ``reuse``) or by
+    ``package.module:ClassName``."""
     cls = _BUILTIN.get(name)
     if cls is None:
         try:
