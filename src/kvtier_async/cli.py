@@ -36,6 +36,8 @@ import structlog
 from kvtier_async import __version__, bench
 from kvtier_async._extras import MissingExtraError
 from kvtier_async.bench.report import BenchRecord, as_quick, misses, render_table
+from kvtier_async.bench.traces import FORMATS as TRACE_FORMATS
+from kvtier_async.bench.traces import TraceError
 from kvtier_async.ops import render
 from kvtier_async.ops.layout import OpsError
 
@@ -61,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "check", False) and args.quick:
         parser.error("--check judges targets, which a --quick run cannot: drop one of them")
+    if args.command is _bench and args.trace and args.names not in ([], ["ledger"]):
+        parser.error("--trace is for the ledger benchmark: kvtier bench ledger --trace FILE")
     handler = configure_logging(args.verbose)
     try:
         status: int = args.command(args)
@@ -119,6 +123,18 @@ def _parser() -> argparse.ArgumentParser:
         "--check", action="store_true", help="exit 1 if a full run misses any target (scripts)"
     )
     run.add_argument("--plot", metavar="DIR", help="write PNG figures there (needs matplotlib)")
+    run.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="ledger only: replay this trace file instead (one JSON object a line: "
+        "Mooncake's hash_ids, or kvtier's request_id/keys/arrival_s)",
+    )
+    run.add_argument(
+        "--trace-format",
+        choices=TRACE_FORMATS,
+        default="auto",
+        help="the --trace file's format (default auto: told by the first line's fields)",
+    )
     run.set_defaults(command=_bench)
     show = commands.add_parser("demo", help="a simulated multi-turn chat through the tiers")
     show.add_argument("--conversations", type=_positive, default=24, help="default 24")
@@ -264,7 +280,15 @@ def _bench_name(name: str) -> str:
 
 def _bench(args: argparse.Namespace) -> int:
     """``kvtier bench``: run the named benchmarks, print their records, plot and check."""
-    records = run_benchmarks(args.names or list(bench.BENCHMARKS), quick=args.quick)
+    options: dict[str, dict[str, Any]] = {}
+    if args.trace:
+        options["ledger"] = {"trace": args.trace, "trace_format": args.trace_format}
+    names = args.names or (["ledger"] if args.trace else list(bench.BENCHMARKS))
+    try:
+        records = run_benchmarks(names, quick=args.quick, options=options)
+    except TraceError as exc:  # a bad trace file: one line naming the line and field
+        print(f"kvtier bench: {exc}", file=sys.stderr)
+        return 2
     print_records(records, as_json=args.json, quick=args.quick)
     if args.plot:
         from kvtier_async.bench.plot import PlotUnavailableError, write_plots
@@ -285,13 +309,17 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_benchmarks(names: Sequence[str], *, quick: bool) -> list[BenchRecord]:
+def run_benchmarks(
+    names: Sequence[str], *, quick: bool, options: dict[str, dict[str, Any]] | None = None
+) -> list[BenchRecord]:
     """Run each benchmark in *names*, noting progress on stderr; return all records (a
-    quick run's without verdicts: see `as_quick`)."""
+    quick run's without verdicts: see `as_quick`). ``options[name]``: more keyword
+    arguments for that benchmark (the ledger's ``trace``)."""
     records: list[BenchRecord] = []
     for name in names:
         _progress(f"bench {name}: running{' (quick)' if quick else ''}")
-        records += bench.load(name)(quick=quick, progress=_progress)
+        function: Callable[..., list[BenchRecord]] = bench.load(name)
+        records += function(quick=quick, progress=_progress, **(options or {}).get(name, {}))
     return as_quick(records) if quick else records
 
 

@@ -24,8 +24,21 @@ log-uniform) and ``chat`` (multi-turn sessions, each turn's prompt the previous 
 a reply and a new message, 128 sessions interleaved, four shared system prompts). Per case:
 prefix against vLLM's ARC (target: never below), our LRU (vLLM's LRU decisions) for scale,
 and Belady's offline optimum (it knows the future) as the ceiling; then the mean of
-prefix's ratios over the cases (target 1.1). The hit rate is the bench's throughout: per
-request, the leading keys that are readable until the first miss.
+prefix's ratios over the cases (target 1.1); and the ``reuse`` policy (`NEW_POLICY`) against
+the better of vLLM's LRU and ARC (target: never below 0.99x). The hit rate is the bench's
+throughout: per request, the leading keys that are readable until the first miss.
+
+Real traces (`trace_case`). ``kvtier bench ledger --trace FILE`` replays a trace file (the
+Mooncake format, or kvtier's own JSONL: see `kvtier_async.bench.traces`) with the same call
+pattern, at 10%, 25% and 50% of its distinct blocks (10% only with ``--quick``): the hit
+rate of vLLM's LRU and ARC, ours (``lru`` and ``arc`` must hit exactly as vLLM's do: the
+run fails if not), ``prefix`` and ``reuse`` (against the better of vLLM's two), Belady's and
+the infinite cache's (every block kept: the leading keys an earlier request had) as bounds,
+and ``reuse``'s ops/s against vLLM's ARC, the two interleaved as above. A full run without
+``--trace`` ends with this case on the published conversation trace
+(`STANDING_TRACE`: ``../shared/traces/mooncake-conversation.jsonl`` beside the checkout),
+when it is there. A block id ``n`` of a trace is the key of block hash ``n`` (8 bytes, big
+endian), KV group 0.
 """
 
 from __future__ import annotations
@@ -40,18 +53,36 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from kvtier_async.ledger import LookupResult, PrimaryLedger, prefix_keys
 
 from .report import BenchRecord, throughput_record
+from .traces import TraceFile, read_trace
 
-__all__ = ["Trace", "belady_hit_rate", "make_chat_trace", "make_docmix_trace", "make_trace", "run"]
+__all__ = [
+    "Trace",
+    "belady_hit_rate",
+    "infinite_hit_rate",
+    "make_chat_trace",
+    "make_docmix_trace",
+    "make_trace",
+    "run",
+    "trace_case",
+]
 
 BLOCK_TOKENS = 16
 VLLM_NAME = "vllm-0.33 CPUOffloadingManager"
 VLLM_ARC_NAME = "vllm-0.33 CPUOffloadingManager, arc"
-TARGETS = {"lru": 5.0, "arc": 2.0, "prefix": 2.0}  # ops/s against vLLM (prefix: its ARC)
+NEW_POLICY = "reuse"  # the policy judged on real traces (see `trace_case`)
+VLLM_BEST_NAME = "vllm-0.33 CPUOffloadingManager, the better of lru and arc"
+TARGETS = {"lru": 5.0, "arc": 2.0, "prefix": 2.0, NEW_POLICY: 2.0}  # ops/s against vLLM
+# (prefix and NEW_POLICY: against its ARC)
+FLOOR_TARGET = 0.99  # NEW_POLICY's hit rate against the better of vLLM's LRU and ARC
+STANDING_TRACE = (
+    Path(__file__).resolve().parents[3].parent / "shared" / "traces" / "mooncake-conversation.jsonl"
+)  # the published conversation trace beside the checkout (../shared/traces)
 CASES = {  # case -> (policy, touch the hits)
     "lru": ("lru", False),
     "arc": ("arc", False),
@@ -293,26 +324,135 @@ def _vllm_available() -> bool:
     return True
 
 
-def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRecord]:
+def run(
+    *,
+    quick: bool = False,
+    progress: Callable[[str], None] | None = None,
+    trace: str | Path | None = None,
+    trace_format: str = "auto",
+) -> list[BenchRecord]:
     """Run the trace through our ledger and (when installed) vLLM's, per case; then the
-    prefix policy's hit-rate sweep."""
+    hit-rate sweep over the generated traces and the standing real trace (when found; not
+    in a quick run). With ``trace`` (a file, see `traces`), only that file's case."""
     say = progress or (lambda _msg: None)
+    if trace is not None:
+        return trace_case(read_trace(trace, trace_format), quick=quick, say=say)
     num_requests = 800 if quick else 4000
-    trace = make_trace(num_requests=num_requests)
+    docs = make_trace(num_requests=num_requests)
     repeats = 1 if quick else 3
     with_vllm = _vllm_available()
     say(
-        f"ledger: {len(trace.requests)} requests, {trace.unique_blocks} unique blocks, "
-        f"capacity {trace.capacity}; vLLM reference {'on' if with_vllm else 'not installed'}"
+        f"ledger: {len(docs.requests)} requests, {docs.unique_blocks} unique blocks, "
+        f"capacity {docs.capacity}; vLLM reference {'on' if with_vllm else 'not installed'}"
     )
     records: list[BenchRecord] = []
     for case, (policy, touch) in CASES.items():
-        records += _policy_case(case, policy, touch, policy, trace, repeats, with_vllm, say)
-    records += _policy_case("prefix", "prefix", False, "arc", trace, repeats, with_vllm, say)
-    traces = {"docs": trace}
+        records += _policy_case(case, policy, touch, policy, docs, repeats, with_vllm, say)
+    records += _policy_case("prefix", "prefix", False, "arc", docs, repeats, with_vllm, say)
+    traces = {"docs": docs}
     for name, make in SWEEP_TRACES.items():
         traces.setdefault(name, make(num_requests))
-    return records + _sweep(traces, with_vllm, say)
+    records += _sweep(traces, with_vllm, say)
+    if not quick:
+        if STANDING_TRACE.is_file():
+            records += trace_case(read_trace(STANDING_TRACE), quick=False, say=say)
+        else:
+            say(f"ledger: the standing trace {STANDING_TRACE} is not here: its case is skipped")
+    return records
+
+
+def trace_case(source: TraceFile, *, quick: bool, say: Callable[[str], None]) -> list[BenchRecord]:
+    """A trace file's case, per capacity (10%, 25% and 50% of its distinct blocks; 10% only
+    when quick): the hit rate of each policy, Belady's and the infinite cache's, and the
+    ops/s of `NEW_POLICY` against vLLM's ARC, interleaved. Our ``lru`` and ``arc`` must hit
+    exactly as vLLM's do (`AssertionError` if not)."""
+    trace = Trace.of(source.requests)
+    with_vllm = _vllm_available()
+    repeats = 1 if quick else 3
+    fractions = SWEEP_FRACTIONS[:1] if quick else SWEEP_FRACTIONS
+    accesses = sum(map(len, trace.requests))
+    say(
+        f"ledger: trace {source.name} ({source.format}): {len(trace.requests)} requests, "
+        f"{accesses} block accesses, {trace.unique_blocks} distinct blocks"
+    )
+    infinite = infinite_hit_rate(trace)
+    records: list[BenchRecord] = []
+    for fraction in fractions:
+        capacity = trace.capacity_at(fraction)
+        case = f"{source.name}@{fraction:.0%}"
+        say(f"ledger: {case}: capacity {capacity}")
+        makers: list[Callable[[], _Driver]] = [
+            functools.partial(_Ours, NEW_POLICY, False, capacity)
+        ]
+        if with_vllm:
+            makers.append(functools.partial(_VLLM, "arc", False, capacity, trace))
+        timed = _interleaved(makers, trace, repeats)
+        ours = {NEW_POLICY: timed[0]}
+        for policy in ("lru", "arc", "prefix"):
+            ours[policy] = _drive(_Ours(policy, False, capacity), trace)
+        vllm = {}
+        if with_vllm:
+            vllm = {"arc": timed[1], "lru": _drive(_VLLM("lru", False, capacity, trace), trace)}
+            _check_parity(case, ours, vllm)
+        best = max(r.hit_rate for r in vllm.values()) if vllm else None
+        best_name = VLLM_BEST_NAME if vllm else None
+        for policy in ("lru", "arc"):
+            reference = vllm[policy].hit_rate if vllm else None
+            name = VLLM_NAME if policy == "lru" else VLLM_ARC_NAME
+            target = 1.0 if vllm else None
+            records.append(
+                _hit_rate(
+                    f"{case}/{policy}",
+                    ours[policy].hit_rate,
+                    reference,
+                    name if vllm else None,
+                    target,
+                )
+            )
+        for policy, target in (("prefix", None), (NEW_POLICY, FLOOR_TARGET if vllm else None)):
+            records.append(
+                _hit_rate(f"{case}/{policy}", ours[policy].hit_rate, best, best_name, target)
+            )
+        bounds = {"belady": belady_hit_rate(trace, capacity), "infinite": infinite}
+        for bound, rate in bounds.items():
+            records.append(_hit_rate(f"{case}/{bound}", rate, best, best_name, None))
+        records.append(
+            throughput_record(
+                "ledger",
+                f"{case}/{NEW_POLICY}",
+                "ops_per_s",
+                ours[NEW_POLICY].ops_per_s,
+                reference=vllm["arc"].ops_per_s if vllm else None,
+                reference_name=VLLM_ARC_NAME if vllm else None,
+                target=TARGETS[NEW_POLICY] if vllm else None,
+                unit="ops/s",
+            )
+        )
+    return records
+
+
+def _check_parity(case: str, ours: dict[str, _Result], vllm: dict[str, _Result]) -> None:
+    """Our LRU and ARC make vLLM's decisions: the same hit rate, exactly."""
+    for policy, reference in vllm.items():
+        if ours[policy].hit_rate != reference.hit_rate:
+            raise AssertionError(
+                f"ledger {case}: our {policy} hit {ours[policy].hit_rate!r}, vLLM's "
+                f"{reference.hit_rate!r}: the decisions differ"
+            )
+
+
+def infinite_hit_rate(trace: Trace) -> float:
+    """The bench's hit rate with room for every block: per request, the leading keys that
+    an earlier request had."""
+    seen: set[bytes] = set()
+    hits = total = 0
+    for keys in trace.requests:
+        head = 0
+        while head < len(keys) and keys[head] in seen:
+            head += 1
+        hits, total = hits + head, total + len(keys)
+        seen.update(keys)
+    return hits / total if total else 0.0
 
 
 def _policy_case(
@@ -339,7 +479,8 @@ def _sweep(
     traces: dict[str, Trace], with_vllm: bool, say: Callable[[str], None]
 ) -> list[BenchRecord]:
     """prefix's hit rate against vLLM's ARC per (trace, capacity), with our LRU and Belady's
-    optimum beside it, then the mean of prefix's ratios."""
+    optimum beside it, and `NEW_POLICY`'s against the better of vLLM's LRU and ARC; then
+    the mean of prefix's ratios."""
     records: list[BenchRecord] = []
     ratios: list[float] = []
     reference_name = VLLM_ARC_NAME if with_vllm else None
@@ -351,12 +492,27 @@ def _sweep(
             arc = None
             if with_vllm:
                 arc = _drive(_VLLM("arc", False, capacity, trace), trace).hit_rate
+            rates = {
+                policy: _drive(_Ours(policy, False, capacity), trace).hit_rate
+                for policy in ("prefix", "lru", NEW_POLICY)
+            }
             for policy in ("prefix", "lru"):
-                ours = _drive(_Ours(policy, False, capacity), trace).hit_rate
                 target = 1.0 if policy == "prefix" and arc is not None else None
-                records.append(_hit_rate(f"{policy}/{case}", ours, arc, reference_name, target))
-                if policy == "prefix" and arc is not None:
-                    ratios.append(ours / arc)
+                records.append(
+                    _hit_rate(f"{policy}/{case}", rates[policy], arc, reference_name, target)
+                )
+            if arc is not None:
+                ratios.append(rates["prefix"] / arc)
+            best = None if arc is None else max(arc, rates["lru"])  # our lru: vLLM's decisions
+            records.append(
+                _hit_rate(
+                    f"{NEW_POLICY}/{case}",
+                    rates[NEW_POLICY],
+                    best,
+                    None if best is None else VLLM_BEST_NAME,
+                    None if best is None else FLOOR_TARGET,
+                )
+            )
             optimum = belady_hit_rate(trace, capacity)
             records.append(_hit_rate(f"belady/{case}", optimum, arc, reference_name, None))
     if ratios:
