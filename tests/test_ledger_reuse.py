@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from kvtier_async.api import CacheConfig, TieredKVCache
 from kvtier_async.integrations.vllm.config import ConnectorConfig
@@ -139,3 +141,20 @@ async def test_tiered_kv_cache_with_the_reuse_policy() -> None:
         for i, buffer in zip(held, out):
             assert await cache.load(ks(i), [buffer]) == 1
             assert int(buffer[0]) == i
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 11), min_size=1, max_size=6), max_size=30),
+    n=st.integers(1, 6),
+    protected=st.sets(st.integers(0, 11), max_size=4),
+)
+def test_the_fast_victim_scan_is_arc_chooses(
+    prompts: list[list[int]], n: int, protected: set[int]
+) -> None:
+    """After any run of requests, `ReusePolicy._select` answers as prefix's (`arc_choose`)."""
+    ledger, policy = reuse_ledger(6)
+    guard = set(ks(*protected))
+    for index, prompt in enumerate(prompts):
+        request(ledger, list(dict.fromkeys(prompt)), index)
+        assert policy._select(n, guard) == PrefixPolicy._select(policy, n, guard)

@@ -23,7 +23,8 @@ ancestors. Four changes, each for what the real trace showed and the generated o
   stored it, goes to P's cold end. On the conversation trace 99% of those are never read
   again (the prompt's partial last block, which the next turn's prompt replaces).
 
-Costs as ``prefix``'s, plus O(1) per finished request.
+Costs as ``prefix``'s, plus O(1) per finished request; a victim scan that P alone answers
+skips `arc_choose`'s iterators.
 """
 
 from __future__ import annotations
@@ -60,6 +61,20 @@ class ReusePolicy(PrefixPolicy):
         else:
             delta = self.shrink_gain * max(1.0, private / shared)
             self.target_private = max(self.target_private - delta, 0.0)
+
+    def _select(self, n: int, protected: Collection[bytes]) -> list[tuple[bytes, bool]] | None:
+        """`arc_choose`'s answer, with a fast path for the usual case: P stays at or above
+        its target after ``n`` victims, so all ``n`` are P's coldest evictable keys."""
+        private = self._private
+        if len(private) - n + 1 >= int(self.target_private):
+            slot_of, ref = self.table.slot_of, self.table.ref
+            victims: list[tuple[bytes, bool]] = []
+            for key in private:
+                if ref[slot_of[key]] == 0 and key not in protected:
+                    victims.append((key, True))
+                    if len(victims) == n:
+                        return victims
+        return super()._select(n, protected)
 
     def on_request_finished(
         self,
