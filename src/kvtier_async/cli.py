@@ -1,5 +1,6 @@
 """The ``kvtier`` command: ``bench``, ``demo``, ``version``, the operations ``inspect``,
-``gc`` and ``regions`` (their work is in `kvtier_async.ops`; this module parses and prints),
+``gc`` and ``regions``, ``plan`` (CPU-tier capacity from a trace) (their work is in
+`kvtier_async.ops`; this module parses and prints),
 ``tiny-model`` (the engine kit's local model), and ``vllm ...``: vLLM's own command line, for
 vLLM's CPU wheel, whose ``vllm`` script cannot start (see
 `kvtier_async.bench.engine_kit.vllm_cli`); everything after ``vllm`` is vLLM's.
@@ -19,7 +20,7 @@ Exit status:
   could not be used (unreachable, credentials, access).
 - 2: a usage error: bad arguments (argparse), a path that is no directory
   (``kvtier inspect: /x: no such directory``), a malformed ``s3://`` URL, a missing bucket,
-  a ``--model`` that matches no namespace.
+  a ``--model`` that matches no namespace, a trace file that cannot be read (``plan``).
 """
 
 from __future__ import annotations
@@ -218,6 +219,38 @@ def _add_operations(commands: Any) -> None:  # argparse's private _SubParsersAct
     )
     shm.add_argument("--json", action="store_true", help="print one JSON document")
     shm.set_defaults(command=_regions)
+    plan = commands.add_parser(
+        "plan", help="hit rate against CPU-tier capacity, per policy, from a trace of your traffic"
+    )
+    plan.add_argument("--trace", required=True, metavar="FILE", help="the trace file to replay")
+    plan.add_argument(
+        "--trace-format",
+        choices=TRACE_FORMATS,
+        default="auto",
+        help="its format (default auto: told by the first line's fields)",
+    )
+    plan.add_argument(
+        "--capacities",
+        type=_capacities,
+        metavar="LIST",
+        help="capacities to try: shares of the distinct blocks and block counts "
+        "(default 1%%,2%%,5%%,10%%,15%%,20%%,25%%,35%%,50%%)",
+    )
+    plan.add_argument(
+        "--policies",
+        type=_names,
+        metavar="LIST",
+        help="eviction policies to compare, comma-separated (default lru,arc,prefix,reuse)",
+    )
+    plan.add_argument(
+        "--block-bytes",
+        type=_size,
+        metavar="N",
+        help="one block's KV bytes (suffixes K, M, G): adds cpu_bytes_to_use to the table",
+    )
+    plan.add_argument("--json", action="store_true", help="print one JSON document")
+    plan.add_argument("--plot", metavar="PNG", help="also write the curves there (matplotlib)")
+    plan.set_defaults(command=_plan)
 
 
 def _add_s3_flags(parser: argparse.ArgumentParser) -> None:
@@ -468,6 +501,63 @@ def _regions_args(args: argparse.Namespace) -> int:
 _inspect = _operation("inspect", _inspect_args)
 _gc = _operation("gc", _gc_args)
 _regions = _operation("regions", _regions_args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """``kvtier plan``: replay the trace per policy and capacity (see `kvtier_async.ops.plan`)."""
+    from kvtier_async.bench.traces import read_trace
+    from kvtier_async.ledger import check_policy
+    from kvtier_async.ops import plan
+
+    policies = args.policies or list(plan.DEFAULT_POLICIES)
+    for name in policies:
+        try:
+            check_policy(name)
+        except ValueError as exc:
+            print(f"kvtier plan: --policies: {exc}", file=sys.stderr)
+            return 2
+    try:
+        source = read_trace(args.trace, args.trace_format)
+    except (TraceError, OSError) as exc:
+        print(f"kvtier plan: {exc}", file=sys.stderr)
+        return 2
+
+    def note(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        result = plan.make_plan(
+            source,
+            capacities=args.capacities,
+            policies=policies,
+            block_bytes=args.block_bytes,
+            progress=note,
+        )
+    except ValueError as exc:
+        print(f"kvtier plan: {exc}", file=sys.stderr)
+        return 2
+    if args.plot:
+        note(f"plan: wrote {plan.write_plot(result, args.plot, render.format_size)}")
+    print(plan.plan_json(result) if args.json else plan.render_plan(result, render.format_size))
+    return 0
+
+
+def _capacities(text: str) -> list[str]:
+    """Argparse type: ``5%,10%,20000``."""
+    from kvtier_async.ops.plan import parse_capacities
+
+    try:
+        return parse_capacities(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _names(text: str) -> list[str]:
+    """Argparse type: a comma-separated list of names."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return names
 
 
 def _doctor(args: argparse.Namespace) -> int:
