@@ -1,5 +1,5 @@
-"""`PrimaryLedger.walk`, `absent_run` and `version`: the batched lookup the tiering ledger and
-the vLLM connector read the primary with, and the counter their memo is keyed on."""
+"""`PrimaryLedger.walk` and `version`: the batched lookup the tiering ledger reads the primary
+with, and the counter the vLLM connector's memo is keyed on."""
 
 from __future__ import annotations
 
@@ -20,29 +20,38 @@ def ks(*ids: int) -> list[bytes]:
     return [k(i) for i in ids]
 
 
-def by_lookup(led: PrimaryLedger, keys: list[bytes], start: int) -> tuple[int, int, int]:
-    """``walk`` and ``absent_run`` of ``keys[start:]``, key by key with `lookup`."""
+def by_lookup(
+    led: PrimaryLedger, keys: list[bytes], start: int, waiting: set[bytes]
+) -> tuple[int, int]:
+    """``walk(keys, start, waiting)``, key by key with `lookup`."""
     results = [led.lookup(key) for key in keys[start:]]
-    held = next((i for i, r in enumerate(results) if r is MISS), len(results))
+    end = next(
+        (
+            i
+            for i, (key, r) in enumerate(zip(keys[start:], results))
+            if r is MISS and key not in waiting
+        ),
+        len(results),
+    )
     ready = next((i for i, r in enumerate(results) if r is not HIT), len(results))
-    absent = next((i for i, r in enumerate(results) if r is not MISS), len(results))
-    return min(ready, held), held, absent
+    return min(ready, end), start + end
 
 
-def test_walk_counts_the_leading_ready_and_held_keys() -> None:
+def test_walk_counts_the_leading_ready_keys_and_finds_the_first_absent_one() -> None:
     led = PrimaryLedger(8)
     out = led.prepare_store(ks(1, 2, 3, 4))
     assert out is not None
     led.complete_store(ks(1, 2, 4))  # 3 is still being written
     assert led.walk(ks(1, 2, 3, 4, 5, 1)) == (2, 4)  # 5 is absent: the 1 after it is not read
-    assert led.walk(ks(1, 2, 3, 4, 5), 2) == (0, 2)
-    assert led.walk(ks(1, 2, 3, 4, 5), 3) == (1, 1)
-    assert led.walk(ks(1, 2, 3, 4, 5), 4) == (0, 0)
-    assert led.walk(ks(1, 2), 2) == (0, 0)  # the keys ran out
+    assert led.walk(ks(1, 2, 3, 4, 5), 2) == (0, 4)
+    assert led.walk(ks(1, 2, 3, 4, 5), 3) == (1, 4)
+    assert led.walk(ks(1, 2, 3, 4, 5), 4) == (0, 4)
+    assert led.walk(ks(1, 2), 2) == (0, 2)  # the keys ran out
     assert led.walk([]) == (0, 0)
-    assert led.absent_run(ks(5, 6, 1, 7)) == 2
-    assert led.absent_run(ks(5, 6, 1, 7), 2) == 0
-    assert led.absent_run(ks(5, 6, 1, 7), 3) == 1
+    # keys on their way from elsewhere: passed, not readable
+    assert led.walk(ks(1, 5, 2, 6), 0, {k(5)}) == (1, 3)
+    assert led.walk(ks(5, 1, 6), 0, {k(5), k(6)}) == (0, 3)
+    assert led.walk(ks(1, 2, 4, 5), 0, {k(5)}) == (3, 4)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -60,9 +69,9 @@ def test_walk_answers_as_lookup_does_key_by_key(seed: int) -> None:
             led.complete_store(done, success=rng.random() < 0.8)
         keys = ks(*rng.sample(range(16), rng.randint(0, 8)))
         start = rng.randint(0, len(keys))
-        ready, held, absent = by_lookup(led, keys, start)
-        assert led.walk(keys, start) == (ready, held)
-        assert led.absent_run(keys, start) == absent
+        waiting = set(ks(*rng.sample(range(16), rng.randint(0, 4))))
+        assert led.walk(keys, start, waiting) == by_lookup(led, keys, start, waiting)
+        assert led.walk(keys, start) == by_lookup(led, keys, start, set())
 
 
 def test_version_moves_with_each_change_a_walk_could_see() -> None:

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Container, Hashable, Iterable, Sequence
 from typing import NamedTuple, cast
 
 import numpy as np
@@ -158,34 +158,29 @@ class PrimaryLedger:
             return _MISS
         return _HIT if self._ref[slot] >= 0 else _PENDING
 
-    def walk(self, keys: Sequence[bytes], start: int = 0) -> tuple[int, int]:
-        """`lookup` along ``keys[start:]``, head first, in one call: ``(ready, held)``,
-        how many leading keys are readable (HIT) and how many are held at all (HIT or
-        HIT_PENDING). So ``keys[start + held]`` is absent (MISS), unless the keys ran out,
-        and ``keys[start + ready]`` is being written when ``ready < held``; the keys after
-        the first absent one are not read."""
+    def walk(
+        self, keys: Sequence[bytes], start: int = 0, waiting: Container[bytes] = ()
+    ) -> tuple[int, int]:
+        """`lookup` along ``keys[start:]``, head first, in one call: ``(ready, end)``. The
+        first ``ready`` keys are readable (HIT); ``end`` is the index of the first key that
+        is absent (MISS) and not in ``waiting`` (the caller's keys on their way from
+        elsewhere), ``len(keys)`` if none is. Every key from ``start`` to ``end`` is held
+        (readable or being written) or in ``waiting``, so one of them is not readable
+        exactly when ``end - start > ready``. The keys after ``end`` are not read."""
         slot_of, ref = self._slot_of, self._ref
-        ready = -1  # until the first key being written
-        held = 0
+        ready = -1  # until the first key not readable
+        i = start
         for key in itertools.islice(keys, start, None) if start else keys:
             slot = slot_of.get(key)
             if slot is None:
-                break
-            if ready < 0 and ref[slot] < 0:
-                ready = held
-            held += 1
-        return (held if ready < 0 else ready), held
-
-    def absent_run(self, keys: Sequence[bytes], start: int = 0) -> int:
-        """How many leading keys of ``keys[start:]`` are absent (`lookup`: MISS): where
-        `walk` should start again."""
-        slot_of = self._slot_of
-        absent = 0
-        for key in itertools.islice(keys, start, None) if start else keys:
-            if key in slot_of:
-                break
-            absent += 1
-        return absent
+                if key not in waiting:
+                    break
+                if ready < 0:
+                    ready = i - start
+            elif ready < 0 and ref[slot] < 0:
+                ready = i - start
+            i += 1
+        return (i - start if ready < 0 else ready), i
 
     def __contains__(self, key: object) -> bool:
         return key in self._slot_of

@@ -31,16 +31,17 @@ them), so one request sees one consistent answer per key; cascades and failed pr
 update them.
 
 Walks. `walk_prefix` is `lookup` along a prefix; it reads the primary through
-`PrimaryLedger.walk` (the keys it holds, in one call per run of them) and asks the tiers
-only about the keys it lacks. `version` changes whenever a walk could answer otherwise or
-start something new: the primary's `PrimaryLedger.version` (its keys' states and reference
-counts, so the room for a promotion) plus every change of what the tiers answered (a lookup
-answered, a promotion applied, a cascade or a tier's removal changing a known answer, a
-reset). While it stays the same, a walk by a request that walked the same keys before
-(and is still running: `request_finished` drops its answers) answers as that walk did and
-starts nothing: the vLLM connector keys its one memo on it. One walk is the exception, and
-says so (`walk_stable` False): one whose own promotion evicted a key of its prefix, which
-it may have read as a hit before.
+`PrimaryLedger.walk` (one call up to each key the primary lacks that no tier is still asked
+about for the request) and asks the tiers only about those keys. `version` changes whenever
+a walk could answer otherwise or start something new: the primary's
+`PrimaryLedger.version` (its keys' states and reference counts, so the room for a
+promotion) plus every change of what the tiers answered (a lookup answered, a promotion
+applied, a cascade or a tier's removal changing a known answer, a reset). While it stays
+the same, a walk by a request that walked the same keys before (and is still running:
+`request_finished` drops its answers) answers as that walk did and starts nothing: the vLLM
+connector keys its one memo on it. One walk is the exception, and says so (`walk_stable`
+False): one whose own promotion evicted a key of its prefix, which it may have read as a
+hit before.
 
 `reset` clears the primary and drops queued work; tasks already handed out must be applied
 first (the owner drains the engine), since their memory is about to be reused.
@@ -69,6 +70,7 @@ from .primary import PrimaryLedger
 __all__ = ["StorePolicy", "TierCounters", "TierTask", "TieringLedger"]
 
 _NO_SLOTS: IntArray = np.zeros(0, dtype=np.int64)
+_NONE: frozenset[bytes] = frozenset()
 
 
 class StorePolicy(enum.Enum):
@@ -108,12 +110,14 @@ class _Probe:
 class _TierLookups:
     """One tier's lookup answers, the batch waiting to be asked, and who holds them."""
 
-    __slots__ = ("asking", "batch", "by_req", "probes")
+    __slots__ = ("asking", "batch", "by_req", "probes", "waiting")
 
     def __init__(self) -> None:
         self.probes: dict[bytes, _Probe] = {}
         self.batch: list[bytes] = []
         self.by_req: dict[Hashable, set[bytes]] = {}
+        # Per request, the keys it asked that have no answer yet (a RETRY for it).
+        self.waiting: dict[Hashable, set[bytes]] = {}
         self.asking = 0  # the id of this tier's lookup task out, 0 when none is
 
     def ask(self, key: bytes, req: Hashable) -> bool | None:
@@ -124,7 +128,17 @@ class _TierLookups:
         if req not in probe.reqs:
             probe.reqs.add(req)
             self.by_req.setdefault(req, set()).add(key)
+            if probe.answer is None:
+                self.waiting.setdefault(req, set()).add(key)
         return probe.answer
+
+    def _answered(self, key: bytes, probe: _Probe) -> None:
+        """``probe`` (of ``key``) got its first answer: no request waits for it now."""
+        waiting = self.waiting
+        for req in probe.reqs:
+            keys = waiting.get(req)
+            if keys is not None:
+                keys.discard(key)
 
     def known_present(self, key: bytes) -> bool:
         probe = self.probes.get(key)
@@ -147,6 +161,8 @@ class _TierLookups:
                 continue
             probe.in_flight = False
             if probe.reqs:
+                if probe.answer is None:
+                    self._answered(key, probe)
                 probe.answer = value
             else:
                 del self.probes[key]
@@ -157,11 +173,14 @@ class _TierLookups:
         for key in keys:
             probe = self.probes.get(key)
             if probe is not None and not probe.in_flight and probe.answer is not value:
+                if probe.answer is None:
+                    self._answered(key, probe)
                 probe.answer = value
                 changed = True
         return changed
 
     def release(self, req: Hashable) -> None:
+        self.waiting.pop(req, None)
         for key in self.by_req.pop(req, ()):
             probe = self.probes.get(key)
             if probe is None:
@@ -174,6 +193,7 @@ class _TierLookups:
         self.probes.clear()
         self.batch.clear()
         self.by_req.clear()
+        self.waiting.clear()
         self.asking = 0
 
 
@@ -269,38 +289,26 @@ class TieringLedger:
         return hits, pending
 
     def _walk_keys(self, req: Hashable, keys: Sequence[bytes]) -> tuple[int, bool]:
-        """`walk_prefix` of one group: the primary's runs of keys with `PrimaryLedger.walk`
-        (a re-asked request walks its keys every step, and most of them are there), the
-        tiers for each key the primary lacks."""
-        primary = self.primary
-        walk, absent_run, tiers = primary.walk, primary.absent_run, self._lookup_tiers
-        # With one tier, its answers too: a key this request asked already and the tier
-        # has not answered yet is a RETRY, with nothing to record.
-        probes = self._lookups[0].probes if len(self._lookups) == 1 else {}
-        retry, miss = LookupResult.RETRY, LookupResult.MISS
+        """`walk_prefix` of one group: `PrimaryLedger.walk` up to each key it lacks, the
+        tiers for that key (a re-asked request walks its keys every step, and most of them
+        are in the primary). With one tier, the keys this request asked that the tier has
+        not answered yet are RETRYs the primary's walk passes too, with nothing to record."""
+        walk, tiers = self.primary.walk, self._lookup_tiers
+        lookups = self._lookups
+        waiting = lookups[0].waiting.get(req, _NONE) if len(lookups) == 1 else _NONE
+        miss = LookupResult.MISS
         hits, pending, i, n = 0, False, 0, len(keys)
         while True:
-            ready, held = walk(keys, i)
+            ready, end = walk(keys, i, waiting)
             if not pending:
                 hits += ready
-                pending = ready < held
-            i += held
-            if i >= n or not self._lookups:  # no tier: a key the primary lacks is a MISS
+                pending = end - i > ready
+            if end >= n or not lookups:  # no tier: a key the primary lacks is a MISS
                 return hits, pending
-            end = i + absent_run(keys, i)
-            while i < end:  # keys the primary lacks: the tiers
-                key = keys[i]
-                i += 1
-                probe = probes.get(key)
-                if probe is not None and probe.answer is None and req in probe.reqs:
-                    pending = True
-                    continue
-                result = tiers(key, req)
-                if result is miss:
-                    return hits, pending
-                pending = True  # RETRY, or HIT_PENDING: promoting (never a HIT)
-                if result is not retry:
-                    break  # a promotion changed the primary: its runs are read again
+            if tiers(keys[end], req) is miss:
+                return hits, pending
+            pending = True  # RETRY, or HIT_PENDING: promoting (never a HIT)
+            i = end + 1
 
     def _promote(self, tier: int, key: bytes, req: Hashable) -> LookupResult:
         # vLLM's tiering manager reserves the slot with the CPU manager's own prepare_store
