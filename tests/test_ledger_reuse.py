@@ -4,6 +4,7 @@ the ledger: look up, load the hits, store the rest, finish."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import hypothesis.strategies as st
@@ -149,12 +150,20 @@ async def test_tiered_kv_cache_with_the_reuse_policy() -> None:
     n=st.integers(1, 6),
     protected=st.sets(st.integers(0, 11), max_size=4),
 )
-def test_the_fast_victim_scan_is_arc_chooses(
+def test_the_fast_eviction_is_prefixs(
     prompts: list[list[int]], n: int, protected: set[int]
 ) -> None:
-    """After any run of requests, `ReusePolicy._select` answers as prefix's (`arc_choose`)."""
+    """After any run of requests, `ReusePolicy.evict` picks and leaves what prefix's would
+    (`arc_choose` between P and S, the ghosts after)."""
     ledger, policy = reuse_ledger(6)
     guard = set(ks(*protected))
+
+    def state(p: ReusePolicy) -> tuple[object, ...]:
+        ghosts = (list(p._ghost_private.items()), list(p._ghost_shared.items()))
+        return (p.private_keys, p.shared_keys, dict(p._next), ghosts, p.target_private)
+
     for index, prompt in enumerate(prompts):
         request(ledger, list(dict.fromkeys(prompt)), index)
-        assert policy._select(n, guard) == PrefixPolicy._select(policy, n, guard)
+        ours, twin = copy.deepcopy(policy), copy.deepcopy(policy)  # the ledger's untouched
+        assert ours.evict(n, guard) == PrefixPolicy.evict(twin, n, guard)
+        assert state(ours) == state(twin)

@@ -23,8 +23,8 @@ ancestors. Four changes, each for what the real trace showed and the generated o
   stored it, goes to P's cold end. On the conversation trace 99% of those are never read
   again (the prompt's partial last block, which the next turn's prompt replaces).
 
-Costs as ``prefix``'s, plus O(1) per finished request; a victim scan that P alone answers
-skips `arc_choose`'s iterators.
+Costs as ``prefix``'s, plus O(1) per finished request; an eviction that P alone answers
+is one scan of P's cold end, without `arc_choose`'s iterators.
 """
 
 from __future__ import annotations
@@ -62,19 +62,29 @@ class ReusePolicy(PrefixPolicy):
             delta = self.shrink_gain * max(1.0, private / shared)
             self.target_private = max(self.target_private - delta, 0.0)
 
-    def _select(self, n: int, protected: Collection[bytes]) -> list[tuple[bytes, bool]] | None:
-        """`arc_choose`'s answer, with a fast path for the usual case: P stays at or above
-        its target after ``n`` victims, so all ``n`` are P's coldest evictable keys."""
+    def evict(self, n: int, protected: Collection[bytes]) -> list[bytes] | None:
+        """``prefix``'s eviction, with a fast path for the usual case: P stays at or above
+        its target after ``n`` victims, so `arc_choose` would take all ``n`` from P's cold
+        end; they are taken there in one scan, without its iterators."""
         private = self._private
-        if len(private) - n + 1 >= int(self.target_private):
-            slot_of, ref = self.table.slot_of, self.table.ref
-            victims: list[tuple[bytes, bool]] = []
-            for key in private:
-                if ref[slot_of[key]] == 0 and key not in protected:
-                    victims.append((key, True))
-                    if len(victims) == n:
-                        return victims
-        return super()._select(n, protected)
+        if n <= 0 or len(private) - n + 1 < int(self.target_private):
+            return super().evict(n, protected)
+        slot_of, ref = self.table.slot_of, self.table.ref
+        victims: list[bytes] = []
+        for key in private:
+            if ref[slot_of[key]] == 0 and key not in protected:
+                victims.append(key)
+                if len(victims) == n:
+                    break
+        else:
+            return super().evict(n, protected)  # P runs short: S gives the rest
+        after, ghost = self._next, self._ghost_private
+        for key in victims:
+            del private[key]
+            ghost[key] = after.pop(key, None)
+        for _ in range(len(ghost) - self.capacity):  # S's ghost is unchanged: no trim
+            ghost.popitem(last=False)
+        return victims
 
     def on_request_finished(
         self,
