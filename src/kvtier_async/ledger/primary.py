@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
-from collections.abc import Container, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from typing import NamedTuple, cast
 
 import numpy as np
@@ -159,21 +159,27 @@ class PrimaryLedger:
         return _HIT if self._ref[slot] >= 0 else _PENDING
 
     def walk(
-        self, keys: Sequence[bytes], start: int = 0, waiting: Container[bytes] = ()
+        self,
+        keys: Sequence[bytes],
+        start: int = 0,
+        waiting: Container[bytes] = (),
+        on_absent: Callable[[bytes], bool] | None = None,
     ) -> tuple[int, int]:
         """`lookup` along ``keys[start:]``, head first, in one call: ``(ready, end)``. The
         first ``ready`` keys are readable (HIT); ``end`` is the index of the first key that
-        is absent (MISS) and not in ``waiting`` (the caller's keys on their way from
-        elsewhere), ``len(keys)`` if none is. Every key from ``start`` to ``end`` is held
-        (readable or being written) or in ``waiting``, so one of them is not readable
-        exactly when ``end - start > ready``. The keys after ``end`` are not read."""
+        is absent (MISS), not in ``waiting`` (the caller's keys on their way from
+        elsewhere) and, when ``on_absent`` is given, not on its way either by
+        ``on_absent(key)`` (True: it is; the call may store keys, evict, pin); ``len(keys)``
+        if there is no such key. Every key from ``start`` to ``end`` is held (readable or
+        being written) or on its way, so one of them is not readable exactly when
+        ``end - start > ready``. The keys after ``end`` are not read."""
         slot_of, ref = self._slot_of, self._ref
         ready = -1  # until the first key not readable
         i = start
         for key in itertools.islice(keys, start, None) if start else keys:
             slot = slot_of.get(key)
             if slot is None:
-                if key not in waiting:
+                if key not in waiting and (on_absent is None or not on_absent(key)):
                     break
                 if ready < 0:
                     ready = i - start

@@ -30,18 +30,17 @@ Lookup answers are kept while a request that asked is alive (`request_finished` 
 them), so one request sees one consistent answer per key; cascades and failed promotions
 update them.
 
-Walks. `walk_prefix` is `lookup` along a prefix; it reads the primary through
-`PrimaryLedger.walk` (one call up to each key the primary lacks that no tier is still asked
-about for the request) and asks the tiers only about those keys. `version` changes whenever
-a walk could answer otherwise or start something new: the primary's
-`PrimaryLedger.version` (its keys' states and reference counts, so the room for a
-promotion) plus every change of what the tiers answered (a lookup answered, a promotion
-applied, a cascade or a tier's removal changing a known answer, a reset). While it stays
-the same, a walk by a request that walked the same keys before (and is still running:
-`request_finished` drops its answers) answers as that walk did and starts nothing: the vLLM
-connector keys its one memo on it. One walk is the exception, and says so (`walk_stable`
-False): one whose own promotion evicted a key of its prefix, which it may have read as a
-hit before.
+Walks. `walk_prefix` is `lookup` along a prefix: one `PrimaryLedger.walk`, which asks the
+tiers (through a callback) about each key the primary lacks, except those this request
+asked that no tier has answered yet (with one tier). `version` changes whenever a walk could
+answer otherwise or start something new: the primary's `PrimaryLedger.version` (its keys'
+states and reference counts, so the room for a promotion) plus every change of what the
+tiers answered (a lookup answered, a promotion applied, a cascade or a tier's removal
+changing a known answer, a reset). While it stays the same, a walk by a request that walked
+the same keys before (and is still running: `request_finished` drops its answers) answers
+as that walk did and starts nothing: the vLLM connector keys its one memo on it. One walk
+is the exception, and says so (`walk_stable` False): one whose own promotion evicted a key
+of its prefix, which it may have read as a hit before.
 
 `reset` clears the primary and drops queued work; tasks already handed out must be applied
 first (the owner drains the engine), since their memory is about to be reused.
@@ -266,11 +265,22 @@ class TieringLedger:
         evicted = self._evicted
         if evicted:
             evicted.clear()
-        answer = (
-            self._walk_keys(req, groups[0])
-            if len(groups) == 1  # the common case: no list per position
-            else self._walk_groups(req, groups)
-        )
+        if len(groups) == 1:  # the common case: no list per position
+            # The primary walks the keys; the tiers are asked about each key it lacks
+            # (with one tier, not those this request asked that it has not answered yet:
+            # a RETRY with nothing to record).
+            lookups = self._lookups
+            waiting = lookups[0].waiting.get(req, _NONE) if len(lookups) == 1 else _NONE
+            tiers, miss = self._lookup_tiers, LookupResult.MISS
+            hits, end = self.primary.walk(
+                groups[0],
+                0,
+                waiting,
+                (lambda key: tiers(key, req) is not miss) if lookups else None,
+            )
+            answer = hits, end > hits
+        else:
+            answer = self._walk_groups(req, groups)
         self.walk_stable = not evicted or set(evicted).isdisjoint(itertools.chain(*groups))
         return answer
 
@@ -287,28 +297,6 @@ class TieringLedger:
             else:
                 pending = True
         return hits, pending
-
-    def _walk_keys(self, req: Hashable, keys: Sequence[bytes]) -> tuple[int, bool]:
-        """`walk_prefix` of one group: `PrimaryLedger.walk` up to each key it lacks, the
-        tiers for that key (a re-asked request walks its keys every step, and most of them
-        are in the primary). With one tier, the keys this request asked that the tier has
-        not answered yet are RETRYs the primary's walk passes too, with nothing to record."""
-        walk, tiers = self.primary.walk, self._lookup_tiers
-        lookups = self._lookups
-        waiting = lookups[0].waiting.get(req, _NONE) if len(lookups) == 1 else _NONE
-        miss = LookupResult.MISS
-        hits, pending, i, n = 0, False, 0, len(keys)
-        while True:
-            ready, end = walk(keys, i, waiting)
-            if not pending:
-                hits += ready
-                pending = end - i > ready
-            if end >= n or not lookups:  # no tier: a key the primary lacks is a MISS
-                return hits, pending
-            if tiers(keys[end], req) is miss:
-                return hits, pending
-            pending = True  # RETRY, or HIT_PENDING: promoting (never a HIT)
-            i = end + 1
 
     def _promote(self, tier: int, key: bytes, req: Hashable) -> LookupResult:
         # vLLM's tiering manager reserves the slot with the CPU manager's own prepare_store
