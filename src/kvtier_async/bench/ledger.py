@@ -68,6 +68,7 @@ __all__ = [
     "make_chat_trace",
     "make_docmix_trace",
     "make_trace",
+    "policy_hit_rate",
     "run",
     "trace_case",
 ]
@@ -439,6 +440,12 @@ def _check_parity(case: str, ours: dict[str, _Result], vllm: dict[str, _Result])
                 f"ledger {case}: our {policy} hit {ours[policy].hit_rate!r}, vLLM's "
                 f"{reference.hit_rate!r}: the decisions differ"
             )
+
+
+def policy_hit_rate(trace: Trace, policy: str, capacity: int) -> float:
+    """Our ledger's hit rate on ``trace`` with ``policy`` at ``capacity`` slots, called as
+    vLLM 0.33's scheduler calls its manager (no touch)."""
+    return _drive(_Ours(policy, False, capacity), trace).hit_rate
 
 
 def infinite_hit_rate(trace: Trace) -> float:

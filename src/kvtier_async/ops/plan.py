@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier_async.bench.ledger import Trace, _drive, _Ours, belady_hit_rate, infinite_hit_rate
+from kvtier_async.bench.ledger import Trace, belady_hit_rate, infinite_hit_rate, policy_hit_rate
 from kvtier_async.bench.traces import TraceFile
 
 __all__ = [
@@ -118,7 +118,7 @@ def make_plan(
     points = []
     for n, blocks in enumerate(sizes, 1):
         progress(f"plan: {n}/{len(sizes)}: {blocks:,} blocks: {', '.join(policies)}, belady")
-        rates = {p: _drive(_Ours(p, False, blocks), trace).hit_rate for p in policies}
+        rates = {p: policy_hit_rate(trace, p, blocks) for p in policies}
         points.append(
             PlanPoint(
                 blocks=blocks,
