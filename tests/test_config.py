@@ -150,6 +150,15 @@ def test_vllms_own_keys_are_accepted_and_the_meaningless_ones_logged(
     assert vllm(eviction_policy="custom", cache_policy_module_path=path).eviction_policy == path
 
 
+def test_a_callers_tier_model_is_copied_not_changed() -> None:
+    mine = tier_config({"type": "fs", "root_dir": "/kv", "name": "disk"}, "tiers[7]")
+    first, second = api(secondary_tiers=[mine]), vllm(secondary_tiers=[{"type": "memory"}, mine])
+    assert first.secondary_tiers[0].path == "secondary_tiers[0]"
+    assert second.secondary_tiers[1].path == "kv_connector_extra_config.secondary_tiers[1]"
+    assert first.secondary_tiers[0].model_dump() == mine.model_dump()
+    assert mine.path == "tiers[7]"  # the caller's object, as the caller made it
+
+
 def test_a_plugin_tier_kind_gets_its_own_model_or_an_open_one() -> None:
     class DiskConfig(TierConfig):
         type: str = "disk"

@@ -32,7 +32,7 @@ def write_plots(
     records: Sequence[BenchRecord], directory: str, *, quick: bool = False
 ) -> list[str]:
     """Write the figures of *records* into *directory* (created, private); their paths."""
-    plt = _pyplot()
+    plt = pyplot()
     out = Path(directory)
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
     written: list[str] = []
@@ -49,7 +49,9 @@ def write_plots(
     return written
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display), or
+    `PlotUnavailableError` naming the extra that brings it."""
     try:
         import matplotlib
     except ImportError as exc:

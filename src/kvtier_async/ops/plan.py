@@ -203,9 +203,9 @@ def write_plot(plan: Plan, path: str | Path, size: Callable[[int], str] = str) -
     """A PNG: hit rate against capacity (log scale), one line per policy, the two bounds
     dashed, the knee marked; with ``block_bytes``, a top axis in bytes (``size`` renders
     them)."""
-    from kvtier_async.bench.plot import _pyplot
+    from kvtier_async.bench.plot import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.ticker import FuncFormatter
 
     figure, axes = plt.subplots(figsize=(8.0, 4.8))
