@@ -123,19 +123,20 @@ def _loc_path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _field_info(model: type[BaseModel], loc: tuple[int | str, ...]) -> Any:
-    """The `FieldInfo` at ``loc`` (through nested models), or None."""
+def _field_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[Any, Any]:
+    """The model holding the last field named in ``loc`` (through nested models, list
+    indexes and pydantic's tags skipped) and that field's `FieldInfo`, None if it has none."""
+    owner: Any = model
     info: Any = None
-    current: Any = model
     for part in loc:
         if isinstance(part, int) or part.startswith(_TAGS):
             continue
-        fields = getattr(current, "model_fields", {})
-        if part not in fields:
-            return None
-        info = fields[part]
-        current = _model_in(info.annotation)
-    return info
+        if info is not None:
+            owner = _model_in(info.annotation)
+        info = getattr(owner, "model_fields", {}).get(part)
+        if info is None:
+            break
+    return owner, info
 
 
 def _model_in(annotation: Any) -> Any:
@@ -151,32 +152,28 @@ def _model_in(annotation: Any) -> Any:
 
 def _allowed(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
     """The keys allowed beside the unknown one at ``loc``."""
-    owner: Any = model
-    if len(loc) > 1:
-        info = _field_info(model, loc[:-1])
-        owner = _model_in(info.annotation) if info is not None else None
+    owner, _ = _field_at(model, loc)
     fields = getattr(owner, "model_fields", {})
     return sorted(info.alias or name for name, info in fields.items())
 
 
+_LIMITS: Final = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
 def _bounds(model: type[BaseModel], loc: tuple[int | str, ...], ctx: Mapping[str, Any]) -> str:
-    """``>= 1``, ``in [0, 20]``: the field's whole allowed range."""
-    low = high = None
-    info = _field_info(model, loc)
-    for meta in getattr(info, "metadata", ()):
-        low = getattr(meta, "ge", low)
-        high = getattr(meta, "le", high)
-    low = ctx.get("ge", low)
-    high = ctx.get("le", high)
-    if low is not None and high is not None:
-        return f"in [{low}, {high}]"
-    if low is not None:
-        return f">= {low}"
-    if high is not None:
-        return f"<= {high}"
-    if "gt" in ctx:
-        return f"> {ctx['gt']}"
-    return f"< {ctx.get('lt')}"
+    """``>= 1``, ``in [0, 20]``: the field's whole allowed range (pydantic's error names only
+    the limit crossed)."""
+    _, info = _field_at(model, loc)
+    limits = {
+        op: getattr(meta, op)
+        for meta in getattr(info, "metadata", ())
+        for op in _LIMITS
+        if getattr(meta, op, None) is not None
+    }
+    limits |= {op: ctx[op] for op in _LIMITS if op in ctx}
+    if "ge" in limits and "le" in limits:
+        return f"in [{limits['ge']}, {limits['le']}]"
+    return " and ".join(f"{_LIMITS[op]} {value}" for op, value in limits.items())
 
 
 def _kind(value: object) -> str:
