@@ -12,54 +12,14 @@ import pytest
 from kvtier_async.api import CacheConfig, TieredKVCache
 from kvtier_async.config import ConfigError
 from kvtier_async.integrations.vllm.config import ConnectorConfig
-from kvtier_async.ledger import LookupResult, PrimaryLedger, make_offload_key, make_policy
+from kvtier_async.ledger import LookupResult, PrimaryLedger, make_policy
 from kvtier_async.ledger.policies import SlotTable
 from kvtier_async.ledger.prefix_policy import PrefixPolicy
-
-
-def k(i: int) -> bytes:
-    return make_offload_key(i.to_bytes(8, "big"), 0)
-
-
-def ks(*ids: int) -> list[bytes]:
-    return [k(i) for i in ids]
+from ledger_requests import k, ks, policy_ledger, request, snapshot
 
 
 def prefix_ledger(capacity: int) -> tuple[PrimaryLedger, PrefixPolicy]:
-    ledger = PrimaryLedger(capacity, policy="prefix")
-    assert isinstance(ledger.policy, PrefixPolicy)
-    return ledger, ledger.policy
-
-
-def request(ledger: PrimaryLedger, ids: list[int], req: object) -> int:
-    """One request as vLLM's scheduler makes it; the number of leading hits."""
-    keys = ks(*ids)
-    hits = 0
-    while hits < len(keys) and ledger.lookup(keys[hits]) is LookupResult.HIT:
-        hits += 1
-    if hits:
-        ledger.prepare_load(keys[:hits], req)
-        ledger.complete_load(keys[:hits])
-    if hits < len(keys):
-        out = ledger.prepare_store(keys[hits:], req)
-        assert out is not None
-        ledger.complete_store(out.keys_to_store)
-    ledger.request_finished(req)
-    return hits
-
-
-def snapshot(policy: PrefixPolicy) -> tuple[object, ...]:
-    return (
-        policy.private_keys,
-        policy.shared_keys,
-        dict(policy._score),
-        dict(policy._next),
-        list(policy._ghost_private.items()),
-        list(policy._ghost_shared.items()),
-        policy.target_private,
-        policy._epoch,
-        policy._inserted,
-    )
+    return policy_ledger("prefix", capacity, PrefixPolicy)
 
 
 # --- by name, in both faces' configs -----------------------------------------------------

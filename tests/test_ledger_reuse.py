@@ -14,41 +14,15 @@ from hypothesis import given, settings
 
 from kvtier_async.api import CacheConfig, TieredKVCache
 from kvtier_async.integrations.vllm.config import ConnectorConfig
-from kvtier_async.ledger import LookupResult, PrimaryLedger, make_offload_key, make_policy
+from kvtier_async.ledger import PrimaryLedger, make_policy
 from kvtier_async.ledger.policies import SlotTable
 from kvtier_async.ledger.prefix_policy import PrefixPolicy
 from kvtier_async.ledger.reuse_policy import ReusePolicy
-
-
-def k(i: int) -> bytes:
-    return make_offload_key(i.to_bytes(8, "big"), 0)
-
-
-def ks(*ids: int) -> list[bytes]:
-    return [k(i) for i in ids]
+from ledger_requests import k, ks, policy_ledger, request, snapshot
 
 
 def reuse_ledger(capacity: int) -> tuple[PrimaryLedger, ReusePolicy]:
-    ledger = PrimaryLedger(capacity, policy="reuse")
-    assert isinstance(ledger.policy, ReusePolicy)
-    return ledger, ledger.policy
-
-
-def request(ledger: PrimaryLedger, ids: list[int], req: object) -> int:
-    """One request as vLLM's scheduler makes it; the number of leading hits."""
-    keys = ks(*ids)
-    hits = 0
-    while hits < len(keys) and ledger.lookup(keys[hits]) is LookupResult.HIT:
-        hits += 1
-    if hits:
-        ledger.prepare_load(keys[:hits], req)
-        ledger.complete_load(keys[:hits])
-    if hits < len(keys):
-        out = ledger.prepare_store(keys[hits:], req)
-        assert out is not None
-        ledger.complete_store(out.keys_to_store)
-    ledger.request_finished(req)
-    return hits
+    return policy_ledger("reuse", capacity, ReusePolicy)
 
 
 def test_reuse_by_name_in_the_ledger_and_both_configs() -> None:
@@ -146,24 +120,23 @@ async def test_tiered_kv_cache_with_the_reuse_policy() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
+    name=st.sampled_from(["prefix", "reuse"]),
     prompts=st.lists(st.lists(st.integers(0, 11), min_size=1, max_size=6), max_size=30),
     n=st.integers(1, 6),
     protected=st.sets(st.integers(0, 11), max_size=4),
 )
-def test_the_fast_eviction_is_prefixs(
-    prompts: list[list[int]], n: int, protected: set[int]
+def test_the_fast_eviction_is_arcs_choice(
+    name: str, prompts: list[list[int]], n: int, protected: set[int]
 ) -> None:
-    """After any run of requests, `ReusePolicy.evict` picks and leaves what prefix's would
-    (`arc_choose` between P and S, the ghosts after)."""
-    ledger, policy = reuse_ledger(6)
+    """After any run of requests, `PrefixPolicy.evict`'s fast path picks and leaves what
+    `arc_choose` between P and S would (`_evict_by_choice`), the ghosts after, in both
+    presets."""
+    ledger = PrimaryLedger(6, policy=name)
+    policy = ledger.policy
+    assert isinstance(policy, PrefixPolicy)
     guard = set(ks(*protected))
-
-    def state(p: ReusePolicy) -> tuple[object, ...]:
-        ghosts = (list(p._ghost_private.items()), list(p._ghost_shared.items()))
-        return (p.private_keys, p.shared_keys, dict(p._next), ghosts, p.target_private)
-
     for index, prompt in enumerate(prompts):
         request(ledger, list(dict.fromkeys(prompt)), index)
         ours, twin = copy.deepcopy(policy), copy.deepcopy(policy)  # the ledger's untouched
-        assert ours.evict(n, guard) == PrefixPolicy.evict(twin, n, guard)
-        assert state(ours) == state(twin)
+        assert ours.evict(n, guard) == twin._evict_by_choice(n, guard)
+        assert snapshot(ours) == snapshot(twin)

@@ -23,15 +23,13 @@ ancestors. Four changes, each for what the real trace showed and the generated o
   stored it, goes to P's cold end. On the conversation trace 99% of those are never read
   again (the prompt's partial last block, which the next turn's prompt replaces).
 
-Costs as ``prefix``'s, plus O(1) per finished request; an eviction that P alone answers
-is one scan of P's cold end, without `arc_choose`'s iterators.
+``reuse`` is `PrefixPolicy` with four of its knobs set (``initial_private``, ``shrink_gain``,
+``max_private``, ``last_key_first``); ``prefix`` keeps ARC's values. Costs as ``prefix``'s,
+plus O(1) per finished request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-
-from .policy import RequestAccess
 from .prefix_policy import PrefixPolicy
 
 __all__ = ["ReusePolicy"]
@@ -41,60 +39,7 @@ class ReusePolicy(PrefixPolicy):
     """``prefix`` started balanced, adapting faster towards frequency, with a floor for S, a
     request's last stored key evicted first (see the module docstring)."""
 
-    #: ``target_private`` at the start and after `clear`, as a share of the capacity
     initial_private = 0.5
-    #: how much further than ARC's step an S ghost moves the target towards frequency
     shrink_gain = 2.0
-    #: the most ``target_private`` may reach, as a share of the capacity
     max_private = 0.9
-
-    def clear(self) -> None:
-        super().clear()
-        self.target_private = self.initial_private * self.capacity
-
-    def _adapt(self, grow: bool) -> None:
-        private, shared = len(self._ghost_private), len(self._ghost_shared)
-        if grow:
-            delta = max(1.0, shared / private)
-            most = self.max_private * self.capacity
-            self.target_private = min(self.target_private + delta, most)
-        else:
-            delta = self.shrink_gain * max(1.0, private / shared)
-            self.target_private = max(self.target_private - delta, 0.0)
-
-    def evict(self, n: int, protected: Collection[bytes]) -> list[bytes] | None:
-        """``prefix``'s eviction, with a fast path for the usual case: P stays at or above
-        its target after ``n`` victims, so `arc_choose` would take all ``n`` from P's cold
-        end; they are taken there in one scan, without its iterators."""
-        private = self._private
-        if n <= 0 or len(private) - n + 1 < int(self.target_private):
-            return super().evict(n, protected)
-        slot_of, ref = self.table.slot_of, self.table.ref
-        victims: list[bytes] = []
-        for key in private:
-            if ref[slot_of[key]] == 0 and key not in protected:
-                victims.append(key)
-                if len(victims) == n:
-                    break
-        else:
-            return super().evict(n, protected)  # P runs short: S gives the rest
-        after, ghost = self._next, self._ghost_private
-        for key in victims:
-            del private[key]
-            ghost[key] = after.pop(key, None)
-        for _ in range(len(ghost) - self.capacity):  # S's ghost is unchanged: no trim
-            ghost.popitem(last=False)
-        return victims
-
-    def on_request_finished(
-        self,
-        order: Sequence[bytes],
-        inserted: Collection[bytes],
-        reused: Collection[bytes],
-        req: RequestAccess,
-    ) -> None:
-        super().on_request_finished(order, inserted, reused, req)
-        if order:
-            last = order[-1]
-            if last in inserted and last not in reused and last in self._private:
-                self._private.move_to_end(last, last=False)
+    last_key_first = True
