@@ -3,11 +3,14 @@ vLLM 0.33's scheduler drives the ledger: look up, load the hits, store the rest,
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from kvtier_async.api import CacheConfig, TieredKVCache
 from kvtier_async.config import ConfigError
@@ -276,3 +279,25 @@ async def test_tiered_kv_cache_with_the_prefix_policy() -> None:
         out = blocks(0, 0, 0)
         assert await cache.load(ks(*doc), out) == 3
         assert [int(b[0]) for b in out] == doc
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 11), min_size=1, max_size=6), max_size=30),
+    n=st.integers(1, 6),
+    protected=st.sets(st.integers(0, 11), max_size=4),
+)
+def test_the_fast_eviction_is_arcs_choice(
+    prompts: list[list[int]], n: int, protected: set[int]
+) -> None:
+    """After any run of requests, `PrefixPolicy.evict`'s fast path picks and leaves what
+    `arc_choose` between P and S would (`_evict_by_choice`), the ghosts after."""
+    ledger = PrimaryLedger(6, policy="prefix")
+    policy = ledger.policy
+    assert isinstance(policy, PrefixPolicy)
+    guard = set(ks(*protected))
+    for index, prompt in enumerate(prompts):
+        request(ledger, list(dict.fromkeys(prompt)), index)
+        ours, twin = copy.deepcopy(policy), copy.deepcopy(policy)  # the ledger's untouched
+        assert ours.evict(n, guard) == twin._evict_by_choice(n, guard)
+        assert snapshot(ours) == snapshot(twin)

@@ -1,6 +1,6 @@
-"""Scenario tests of the ``reuse`` policy (``prefix`` started balanced, faster towards
-frequency, a request's last stored key first to go), driven as vLLM 0.33's scheduler drives
-the ledger: look up, load the hits, store the rest, finish."""
+"""Scenario tests of the ``reuse`` policy (recency with credit for each request that came
+back to a key, a cold list for a prompt's one-time last block), driven as vLLM 0.33's
+scheduler drives the ledger: look up, load the hits, store the rest, finish."""
 
 from __future__ import annotations
 
@@ -16,13 +16,19 @@ from kvtier_async.api import CacheConfig, TieredKVCache
 from kvtier_async.integrations.vllm.config import ConnectorConfig
 from kvtier_async.ledger import PrimaryLedger, make_policy
 from kvtier_async.ledger.policies import SlotTable
-from kvtier_async.ledger.prefix_policy import PrefixPolicy
 from kvtier_async.ledger.reuse_policy import ReusePolicy
-from ledger_requests import k, ks, policy_ledger, request, snapshot
+from ledger_requests import k, ks, request
+
+
+def live(policy: ReusePolicy) -> list[tuple[int, bytes]]:
+    """The heap's live entries, sorted (a refused eviction may drop stale ones)."""
+    return sorted(entry for entry in policy._heap if policy._due.get(entry[1]) == entry[0])
 
 
 def reuse_ledger(capacity: int) -> tuple[PrimaryLedger, ReusePolicy]:
-    return policy_ledger("reuse", capacity, ReusePolicy)
+    ledger = PrimaryLedger(capacity, policy="reuse")
+    assert type(ledger.policy) is ReusePolicy
+    return ledger, ledger.policy
 
 
 def test_reuse_by_name_in_the_ledger_and_both_configs() -> None:
@@ -33,65 +39,87 @@ def test_reuse_by_name_in_the_ledger_and_both_configs() -> None:
     assert ConnectorConfig.from_extra_config(extra).eviction_policy == "reuse"
 
 
-def test_target_starts_at_half_the_capacity_and_after_clear() -> None:
+def test_a_request_is_evicted_tail_first_and_its_last_stored_key_before_all() -> None:
     ledger, policy = reuse_ledger(8)
-    assert policy.target_private == 4.0
-    policy.target_private = 1.0
-    ledger.reset()
-    assert policy.target_private == 4.0
-    assert PrimaryLedger(8, policy="prefix").policy.target_private == 0.0  # type: ignore[attr-defined]
-
-
-def test_a_requests_last_stored_key_goes_first() -> None:
-    ledger, policy = reuse_ledger(8)
-    policy.target_private = 0.0  # P gives the victims
-    # a prompt of four blocks: its last one is the coldest private key, its head the warmest
     request(ledger, [1, 2, 3, 4], "r1")
-    assert policy.private_keys == ks(4, 3, 2, 1)
-    # the next turn reads 1-3 and stores 5, 6: 4 (never read again) and then 6 are coldest
-    assert request(ledger, [1, 2, 3, 5, 6], "r2") == 3
-    assert policy.private_keys[:2] == ks(6, 4)
-    # a store that needs one slot takes 6 (this request's 7, 8 are protected)
-    request(ledger, [9, 7, 8], "r3")
-    assert k(6) not in ledger and k(4) in ledger
+    # 4, the prompt's last block, only stored: cold; then the tail before the head
+    assert policy.eviction_order() == ks(4, 3, 2, 1)
+    assert policy.count(k(4)) == 1 and policy.count(k(9)) == 0
 
 
 def test_a_reused_last_key_is_not_sent_cold() -> None:
     ledger, policy = reuse_ledger(8)
     request(ledger, [1, 2], "r1")
-    # r2 reads all of r1's prompt and stores nothing: its last key is a reuse, kept warm
-    assert request(ledger, [1, 2], "r2") == 2
-    assert policy.private_keys == ks(2, 1)
+    assert request(ledger, [1, 2], "r2") == 2  # r2 stores nothing: its last key is a reuse
+    assert policy.count(k(2)) == 2
     request(ledger, [3], "r3")
-    assert policy.private_keys[0] == k(3)
+    assert policy.eviction_order()[0] == k(3)  # r3's only key, cold; 1 and 2 are not
 
 
-@pytest.mark.parametrize(("name", "step"), [("prefix", 3.0), ("reuse", 6.0)])
-def test_a_shared_ghost_moves_the_target_twice_as_far_as_prefix(name: str, step: float) -> None:
-    ledger = PrimaryLedger(40, policy=name)
-    policy = ledger.policy
-    assert isinstance(policy, PrefixPolicy)
-    policy.target_private = 20.0
-    # ghosts: one shared (key 1), three private: ARC's step is max(1, 3 / 1)
-    policy._ghost_shared[k(1)] = 1.0
-    for i in range(2, 5):
-        policy._ghost_private[k(i)] = None
-    request(ledger, [1], "r")  # key 1 stored again while its shared ghost is remembered
-    assert policy.target_private == 20.0 - step
+def test_a_key_read_again_outlives_newer_keys_read_once_but_not_forever() -> None:
+    ledger, policy = reuse_ledger(6)  # a count of 2 is worth 2 * 6 = 12 placements
+    request(ledger, [1, 2, 9], "r1")
+    assert request(ledger, [1, 2, 8], "r2") == 2  # 1 and 2 counted twice
+    # single-block prompts (each cold) and two-block ones: the once-read keys go first
+    request(ledger, [20, 21], "a")
+    request(ledger, [22, 23], "b")
+    assert k(1) in ledger and k(2) in ledger
+    assert k(9) not in ledger and k(8) not in ledger  # cold: went first
+    order = policy.eviction_order()
+    assert order.index(k(2)) > order.index(k(23)) and order.index(k(1)) > order.index(k(22))
+    # keep storing: the credit is bounded, so 1 and 2 go in the end
+    for i in range(10):
+        request(ledger, [30 + 2 * i, 31 + 2 * i], f"c{i}")
+    assert k(1) not in ledger and k(2) not in ledger
 
 
-def test_the_target_stays_below_the_floor_of_s() -> None:
-    ledger, policy = reuse_ledger(10)
-    for i in range(20):  # P ghosts stored again push the target up, not past 90%
-        policy._ghost_private[k(100 + i)] = None
-    for i in range(20):
-        request(ledger, [100 + i], f"r{i}")
-    assert policy.target_private == 9.0
+def test_an_evicted_key_stored_again_keeps_its_count() -> None:
+    ledger, policy = reuse_ledger(4)
+    request(ledger, [1, 5], "r1")
+    request(ledger, [1, 5], "r2")  # 1 and 5 read twice
+    request(ledger, [10, 11, 12, 13], "r3")  # evicts both: their counts go to the ghosts
+    assert k(1) not in ledger and policy._ghost[k(1)] == 2
+    request(ledger, [1, 4], "r4")
+    assert policy.count(k(1)) == 3 and k(1) not in policy._ghost  # its history, this store
+    for i in range(4):
+        request(ledger, [20 + 2 * i, 21 + 2 * i], f"s{i}")
+    assert len(policy._ghost) == 4  # at most ``capacity`` ghosts
+
+
+def test_touch_counts_and_refreshes_a_held_key() -> None:
+    ledger, policy = reuse_ledger(8)
+    request(ledger, [1, 2, 3], "r1")
+    ledger.touch(ks(1, 7))  # 7 is not held: ignored
+    assert policy.count(k(1)) == 2 and policy.count(k(2)) == 1
+    assert policy.eviction_order()[-1] == k(1)
+    ledger.reset()
+    assert policy.eviction_order() == [] and policy.count(k(1)) == 0
+
+
+def test_the_credit_grows_with_the_count_more_for_a_shared_key() -> None:
+    policy = ReusePolicy(10, SlotTable(10))
+    chain, shared = policy._chain_credit, policy._shared_credit
+    assert chain[1] == shared[1] == 0  # read once: recency alone
+    assert chain[2] == 20 and chain[5] == 40 and len(chain) == policy.max_chain_count + 1
+    assert shared[2] == 40 and shared[5] == 160 and len(shared) == policy.max_count + 1
+
+
+def test_a_fork_shares_the_key_and_its_head_and_a_next_turn_is_no_fork() -> None:
+    ledger, policy = reuse_ledger(16)
+    request(ledger, [1, 2, 3, 4], "turn1")  # 4: the partial last block, cold
+    # the next turn reads 1-3 and goes on with 5, 6 where turn 1 had 4: a chain, not a fork
+    assert request(ledger, [1, 2, 3, 5, 6], "turn2") == 3
+    assert policy._shared == set()
+    assert policy.count(k(3)) == 2 and policy.eviction_order()[:2] == ks(4, 6)  # cold
+    # another request reads 1-2 and goes on with 7 where the chain had 3: 1 and 2 shared
+    assert request(ledger, [1, 2, 7, 8], "other") == 2
+    assert policy._shared == set(ks(1, 2))
+    assert policy._due[k(1)] - policy._due[k(3)] > 2 * 16  # twice the credit per count
 
 
 @pytest.mark.anyio
 async def test_tiered_kv_cache_with_the_reuse_policy() -> None:
-    """Through `TieredKVCache`'s calls: stores, a fork, evictions, and the blocks read back."""
+    """Through `TieredKVCache`'s calls: stores, reads, evictions, and the bytes read back."""
     block = 256
     config: dict[str, Any] = {"block_bytes": block, "num_slots": 6, "eviction_policy": "reuse"}
 
@@ -104,39 +132,57 @@ async def test_tiered_kv_cache_with_the_reuse_policy() -> None:
         doc = [1, 2, 3]
         await cache.store(ks(*doc, 10), blocks(*doc, 10), req="q1")
         cache.ledger.request_finished("q1")
-        await cache.store(ks(*doc, 11), blocks(*doc, 11), req="q2")
+        out = blocks(0, 0, 0)
+        assert await cache.load(ks(*doc), out, req="q2") == 3
+        assert [int(b[0]) for b in out] == doc
         cache.ledger.request_finished("q2")
-        assert set(policy.shared_keys) == set(ks(*doc))  # the two prompts fork after 3
-        assert policy.private_keys == ks(11, 10)  # q2's last key, only stored, goes first
+        assert all(policy.count(key) == 2 for key in ks(*doc))
         for i in range(3):
             await cache.store(ks(50 + 2 * i, 51 + 2 * i), blocks(50 + 2 * i, 51 + 2 * i))
-        held = [i for i in (*doc, 10, 11, 50, 51, 52, 53, 54, 55) if k(i) in cache.ledger.primary]
-        assert len(held) == 6 and {54, 55} <= set(held)
-        out = blocks(*([0] * len(held)))
-        for i, buffer in zip(held, out):
+        held = [i for i in (*doc, 10, 50, 51, 52, 53, 54, 55) if k(i) in cache.ledger.primary]
+        assert len(held) == 6 and set(doc) <= set(held)  # the document read twice stays
+        got = blocks(*([0] * len(held)))
+        for i, buffer in zip(held, got):
             assert await cache.load(ks(i), [buffer]) == 1
             assert int(buffer[0]) == i
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    name=st.sampled_from(["prefix", "reuse"]),
     prompts=st.lists(st.lists(st.integers(0, 11), min_size=1, max_size=6), max_size=30),
     n=st.integers(1, 6),
     protected=st.sets(st.integers(0, 11), max_size=4),
+    pinned=st.sets(st.integers(0, 11), max_size=3),
 )
-def test_the_fast_eviction_is_arcs_choice(
-    name: str, prompts: list[list[int]], n: int, protected: set[int]
+def test_evict_takes_the_first_evictable_keys_of_the_eviction_order(
+    prompts: list[list[int]], n: int, protected: set[int], pinned: set[int]
 ) -> None:
-    """After any run of requests, `PrefixPolicy.evict`'s fast path picks and leaves what
-    `arc_choose` between P and S would (`_evict_by_choice`), the ghosts after, in both
-    presets."""
-    ledger = PrimaryLedger(6, policy=name)
-    policy = ledger.policy
-    assert isinstance(policy, PrefixPolicy)
-    guard = set(ks(*protected))
+    """After any run of requests, with some keys pinned, `evict` (the heap: stale entries,
+    skipped keys pushed back) picks what a plain walk of the sorted order picks, or refuses
+    and changes nothing."""
+    ledger, policy = reuse_ledger(6)
     for index, prompt in enumerate(prompts):
         request(ledger, list(dict.fromkeys(prompt)), index)
-        ours, twin = copy.deepcopy(policy), copy.deepcopy(policy)  # the ledger's untouched
-        assert ours.evict(n, guard) == twin._evict_by_choice(n, guard)
-        assert snapshot(ours) == snapshot(twin)
+    pins = [key for key in ks(*pinned) if key in ledger]
+    if pins:
+        ledger.prepare_load(pins, "pin")
+    guard = set(ks(*protected))
+    slot_of, ref = policy.table.slot_of, policy.table.ref
+    expected = [key for key in policy.eviction_order() if ref[slot_of[key]] == 0]
+    expected = [key for key in expected if key not in guard][:n]
+    before = copy.deepcopy(policy)
+    victims = policy.evict(n, guard)
+    if len(expected) < n:
+        assert victims is None
+        assert (policy._count, policy._due, live(policy), policy._recent, policy._cold) == (
+            before._count,
+            before._due,
+            live(before),
+            before._recent,
+            before._cold,
+        )
+    else:
+        assert victims == expected
+        gone = set(policy._count) | set(policy._due) | set(policy._recent) | set(policy._cold)
+        assert not set(victims) & gone
+        assert all(policy._ghost[key] == before._count[key] for key in victims)

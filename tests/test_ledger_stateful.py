@@ -16,6 +16,7 @@ from kvtier_async.ledger import (
     make_offload_key,
 )
 from kvtier_async.ledger.prefix_policy import PrefixPolicy
+from kvtier_async.ledger.reuse_policy import ReusePolicy
 
 KEYS = [make_offload_key(i.to_bytes(4, "big"), i % 2) for i in range(12)]
 key_lists = st.lists(st.sampled_from(KEYS), max_size=6)
@@ -249,10 +250,56 @@ class PrefixLedgerMachine(LedgerMachine):
         assert 0.0 <= policy.target_private <= 5.0
 
 
-class ReuseLedgerMachine(PrefixLedgerMachine):
-    """The ``reuse`` policy (a `PrefixPolicy`): the same invariants, its own decisions."""
+class ReuseLedgerMachine(LedgerMachine):
+    """The ``reuse`` policy: the ledger's invariants, and its own: every held key counted
+    and ordered once (cold, recent or credited, with a live heap entry), bounded ghosts."""
 
     policy = "reuse"
+
+    def policy_state(self) -> tuple[object, ...]:
+        policy = self.ledger.policy
+        assert isinstance(policy, ReusePolicy)
+        return (
+            dict(policy._count),
+            dict(policy._due),
+            sorted(entry for entry in policy._heap if policy._due.get(entry[1]) == entry[0]),
+            list(policy._recent.items()),
+            list(policy._cold),
+            dict(policy._next),
+            set(policy._shared),
+            list(policy._ghost.items()),
+            policy._clock,
+        )
+
+    @rule(n=st.integers(1, 6), protected=key_lists)
+    def refused_eviction_changes_nothing(self, n: int, protected: list[bytes]) -> None:
+        led = self.ledger
+        held = led.keys()
+        candidates = [key for key in held if led.ref_count(key) == 0 and key not in protected]
+        if n <= len(candidates):
+            return
+        before = (self.snapshot(), self.policy_state())
+        assert led.policy.evict(n, set(protected)) is None
+        assert (self.snapshot(), self.policy_state()) == before
+
+    @invariant()
+    def every_held_key_is_ordered_once(self) -> None:
+        policy = self.ledger.policy
+        assert isinstance(policy, ReusePolicy)
+        held = set(self.ledger.keys())
+        cold, recent, due = set(policy._cold), set(policy._recent), set(policy._due)
+        assert cold | recent | due == held
+        assert len(cold) + len(recent) + len(due) == len(held)  # each key once
+        assert set(policy._count) == held
+        assert all(policy._count[key] == 1 for key in cold | recent)
+        assert all(policy._count[key] >= 2 for key in due)
+        assert {(d, key) for key, d in policy._due.items()} <= set(policy._heap)
+        stamps = list(policy._recent.values())
+        assert stamps == sorted(stamps) and all(s <= policy._clock for s in stamps)
+        assert policy.eviction_order()[: len(cold)] == list(policy._cold)
+        assert sorted(policy.eviction_order()) == sorted(held)
+        assert set(policy._next) <= held and policy._shared <= held
+        assert not set(policy._ghost) & held and len(policy._ghost) <= 5
 
 
 TestLRULedger = LedgerMachine.TestCase

@@ -60,10 +60,6 @@ whose count is at its cap costs a lookup; eviction walks P from its cold end and
 in order (a few dozen), O(victims + skipped); an eviction that P alone answers (P stays at
 or above its target) is one scan of P's cold end.
 
-*Knobs.* ``initial_private``, ``shrink_gain``, ``max_private`` and ``last_key_first`` keep
-ARC's behaviour here; the ``reuse`` policy (`kvtier_async.ledger.reuse_policy`) is this class
-with them set for real traffic.
-
 Taken from: ARC (Megiddo & Modha; vLLM's ``ARCCachePolicy``) for the lists, ghosts and
 adaptive target, split by sharing instead of reuse (by reuse, every block of a long chat is
 "frequent"); LFU with history and TinyLFU's capped, halved counters, only where frequency
@@ -96,15 +92,6 @@ class PrefixPolicy(CachePolicy):
     epoch_capacities = 4
     #: a count stops growing at ``2 ** max_octaves`` (within an epoch)
     max_octaves = 4.0
-    # The knobs ``reuse`` (`kvtier_async.ledger.reuse_policy`) sets; these values are ARC's.
-    #: ``target_private`` at the start and after `clear`, as a share of the capacity
-    initial_private = 0.0
-    #: how much further than ARC's step an S ghost moves the target towards frequency
-    shrink_gain = 1.0
-    #: the most ``target_private`` may reach, as a share of the capacity
-    max_private = 1.0
-    #: a finished request's last key, if the request only stored it, goes to P's cold end
-    last_key_first = False
 
     def __init__(self, capacity: int, table: SlotTable) -> None:
         super().__init__(capacity, table)
@@ -125,7 +112,7 @@ class PrefixPolicy(CachePolicy):
         self._next.clear()
         self._ghost_private.clear()
         self._ghost_shared.clear()
-        self.target_private = self.initial_private * self.capacity
+        self.target_private = 0.0
         self._inserted = 0  # insertions in this epoch
         self._epoch = 0
 
@@ -214,10 +201,9 @@ class PrefixPolicy(CachePolicy):
         private, shared = len(self._ghost_private), len(self._ghost_shared)
         if grow:
             delta = max(1.0, shared / private)
-            most = self.max_private * self.capacity
-            self.target_private = min(self.target_private + delta, most)
+            self.target_private = min(self.target_private + delta, float(self.capacity))
         else:
-            delta = self.shrink_gain * max(1.0, private / shared)
+            delta = max(1.0, private / shared)
             self.target_private = max(self.target_private - delta, 0.0)
 
     def _age(self, inserted: int) -> None:
@@ -268,10 +254,6 @@ class PrefixPolicy(CachePolicy):
         shared_from = self._refresh_private_tail(order)
         if shared_from >= 0:
             self._count_shared_head(order, shared_from, reused, returned)
-        if self.last_key_first and order:
-            last = order[-1]
-            if last in inserted and last not in reused and last in self._private:
-                self._private.move_to_end(last, last=False)
 
     def _refresh_private_tail(self, order: Sequence[bytes]) -> int:
         """Refresh ``order``'s held keys tail first and note the key after each, up to the
