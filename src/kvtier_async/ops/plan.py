@@ -206,7 +206,7 @@ def write_plot(plan: Plan, path: str | Path, size: Callable[[int], str] = str) -
     from kvtier_async.bench.plot import pyplot
 
     plt = pyplot()
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FixedLocator, FuncFormatter
 
     figure, axes = plt.subplots(figsize=(8.0, 4.8))
     xs = [p.blocks for p in plan.points]
@@ -226,6 +226,10 @@ def write_plot(plan: Plan, path: str | Path, size: Callable[[int], str] = str) -
     block = plan.block_bytes
     if block:
         top = axes.secondary_xaxis("top", functions=(lambda b: b * block, lambda n: n / block))
+        # ticks at the capacities tried (every other one when crowded): a log axis of bytes
+        # spanning less than a decade or two would otherwise get one tick or none
+        marked = xs if len(xs) <= 6 else xs[::2]
+        top.xaxis.set_major_locator(FixedLocator([blocks * block for blocks in marked]))
         top.xaxis.set_major_formatter(FuncFormatter(lambda value, _: size(int(value))))
         top.xaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
         top.set_xlabel("cpu_bytes_to_use")
