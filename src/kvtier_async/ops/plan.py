@@ -232,7 +232,7 @@ def write_plot(plan: Plan, path: str | Path, size: Callable[[int], str] = str) -
         top.xaxis.set_major_locator(FixedLocator([blocks * block for blocks in marked]))
         top.xaxis.set_major_formatter(FuncFormatter(lambda value, _: size(int(value))))
         top.xaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
-        top.set_xlabel("cpu_bytes_to_use")
+        top.set_xlabel(f"cpu_bytes_to_use ({size(block)} a block)")
     out = Path(path)
     out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     figure.savefig(out, dpi=110, bbox_inches="tight")
