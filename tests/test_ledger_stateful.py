@@ -203,7 +203,26 @@ class ARCLedgerMachine(LedgerMachine):
         assert not (set(policy.b1) | set(policy.b2)) & held  # type: ignore[attr-defined]
 
 
-class PrefixLedgerMachine(LedgerMachine):
+class PolicyStateMachine(LedgerMachine):
+    """A machine whose policy's whole state can be compared (`policy_state`): an eviction
+    it refuses must leave it as it was."""
+
+    def policy_state(self) -> tuple[object, ...]:
+        raise NotImplementedError
+
+    @rule(n=st.integers(1, 6), protected=key_lists)
+    def refused_eviction_changes_nothing(self, n: int, protected: list[bytes]) -> None:
+        led = self.ledger
+        held = led.keys()
+        candidates = [key for key in held if led.ref_count(key) == 0 and key not in protected]
+        if n <= len(candidates):
+            return
+        before = (self.snapshot(), self.policy_state())
+        assert led.policy.evict(n, set(protected)) is None
+        assert (self.snapshot(), self.policy_state()) == before
+
+
+class PrefixLedgerMachine(PolicyStateMachine):
     policy = "prefix"
 
     def policy_state(self) -> tuple[object, ...]:
@@ -218,17 +237,6 @@ class PrefixLedgerMachine(LedgerMachine):
             list(policy._ghost_shared.items()),
             policy.target_private,
         )
-
-    @rule(n=st.integers(1, 6), protected=key_lists)
-    def refused_eviction_changes_nothing(self, n: int, protected: list[bytes]) -> None:
-        led = self.ledger
-        held = led.keys()
-        candidates = [key for key in held if led.ref_count(key) == 0 and key not in protected]
-        if n <= len(candidates):
-            return
-        before = (self.snapshot(), self.policy_state())
-        assert led.policy.evict(n, set(protected)) is None
-        assert (self.snapshot(), self.policy_state()) == before
 
     @invariant()
     def prefix_lists_partition_the_cache(self) -> None:
@@ -250,7 +258,7 @@ class PrefixLedgerMachine(LedgerMachine):
         assert 0.0 <= policy.target_private <= 5.0
 
 
-class ReuseLedgerMachine(LedgerMachine):
+class ReuseLedgerMachine(PolicyStateMachine):
     """The ``reuse`` policy: the ledger's invariants, and its own: every held key counted
     and ordered once (cold, recent or credited, with a live heap entry), bounded ghosts."""
 
@@ -270,17 +278,6 @@ class ReuseLedgerMachine(LedgerMachine):
             list(policy._ghost.items()),
             policy._clock,
         )
-
-    @rule(n=st.integers(1, 6), protected=key_lists)
-    def refused_eviction_changes_nothing(self, n: int, protected: list[bytes]) -> None:
-        led = self.ledger
-        held = led.keys()
-        candidates = [key for key in held if led.ref_count(key) == 0 and key not in protected]
-        if n <= len(candidates):
-            return
-        before = (self.snapshot(), self.policy_state())
-        assert led.policy.evict(n, set(protected)) is None
-        assert (self.snapshot(), self.policy_state()) == before
 
     @invariant()
     def every_held_key_is_ordered_once(self) -> None:
