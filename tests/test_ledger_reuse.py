@@ -89,7 +89,7 @@ def test_an_evicted_key_stored_again_keeps_its_count() -> None:
 def test_touch_counts_and_refreshes_a_held_key() -> None:
     ledger, policy = reuse_ledger(8)
     request(ledger, [1, 2, 3], "r1")
-    ledger.touch(ks(1, 7))  # 7 is not held: ignored
+    ledger.touch(ks(1, 7, 1))  # 7 is not held: ignored; 1 counts once
     assert policy.count(k(1)) == 2 and policy.count(k(2)) == 1
     assert policy.eviction_order()[-1] == k(1)
     ledger.reset()

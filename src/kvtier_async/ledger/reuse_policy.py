@@ -227,8 +227,10 @@ class ReusePolicy(CachePolicy):
             del self._cold[key]
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        """Keys used outside any request: each held one counts once more and is refreshed."""
-        self._place_all(keys, set(keys), len(keys) - 1)
+        """Keys used outside any request: each held one counts once more and is refreshed
+        (once, however often ``keys`` names it)."""
+        once = list(dict.fromkeys(keys))
+        self._place_all(once, set(once), len(once) - 1)
 
     def on_request_access(self, keys: Sequence[bytes], req: RequestAccess) -> None:
         """Held keys a request reaches are refreshed now (tail first), so that its own store
