@@ -358,7 +358,10 @@ async def test_throttling_and_server_errors_are_retried(
         make_blocks(1, CTX.block_bytes),
         make_blocks(1, CTX.block_bytes),
     )
-    async with opened(s3_tier(moto_s3, s3_bucket, retries=3)) as tier:
+    # Budgets far above what three attempts need on a loaded machine: this is about retries
+    # (a lookup's default 1 s, retries included, ran out in CI with the machine busy).
+    budgets = {"timeout_s": 30.0, "lookup_timeout_s": 30.0}
+    async with opened(s3_tier(moto_s3, s3_bucket, retries=3, **budgets)) as tier:
         injectors = {
             op: Injector(status, code, count=2) for op in ("PutObject", "HeadObject", "GetObject")
         }
