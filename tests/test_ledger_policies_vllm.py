@@ -1,5 +1,6 @@
-"""The prefix policy behind KVTierConnector inside vLLM 0.33's real Scheduler: vLLM's calls
-alone (no touch) carry the prefix structure it needs, and the run is as correct as with LRU."""
+"""The prefix and reuse policies behind KVTierConnector inside vLLM 0.33's real Scheduler:
+vLLM's calls alone (no touch) carry the prefix structure they need, and the run is as correct
+as with LRU."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 import vllm_harness as vh
 from kvtier_async.ledger.prefix_policy import PrefixPolicy
+from kvtier_async.ledger.reuse_policy import ReusePolicy
 from vllm_harness import OURS, shared_prefix_requests
 
 pytestmark = pytest.mark.vllm
@@ -18,6 +20,7 @@ pytestmark = pytest.mark.vllm
 TRACE = shared_prefix_requests(seed=7, num_requests=40)
 SMALL_GPU: dict[str, Any] = {"num_gpu_blocks": 48, "max_num_batched_tokens": 256}
 PREFIX = {**OURS, "extra_config": {**OURS["extra_config"], "eviction_policy": "prefix"}}
+REUSE = {**OURS, "extra_config": {**OURS["extra_config"], "eviction_policy": "reuse"}}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,4 +48,28 @@ def test_the_prefix_policy_behind_the_connector() -> None:
         assert policy._ghost_private or policy._ghost_shared  # it evicted
         # the documents' heads were seen forking into requests: shared
         assert policy.shared_keys
+        assert primary.num_requests == 0  # every request's state was dropped at its finish
+
+
+def test_the_reuse_policy_behind_the_connector() -> None:
+    with vh.VllmHarness(**SMALL_GPU) as h:
+        h.drive(TRACE, per_step=2)
+        baseline = dict(h.stats.outputs)
+    with vh.VllmHarness(**SMALL_GPU, **REUSE) as h:
+        h.drive(TRACE, per_step=2)
+        assert h.stats.outputs == baseline
+        assert h.stats.preemptions > 0
+        assert h.stats.external_hit_tokens > 0
+        h.assert_no_leaks()
+        primary = h.connector.scheduler.ledger.primary
+        policy = primary.policy
+        assert isinstance(policy, ReusePolicy)
+        stats = primary.statistics()
+        assert stats.pinned == 0 and stats.writing == 0
+        assert stats.used == stats.capacity
+        assert policy._ghost  # it evicted
+        # the documents' heads were seen forking into requests: shared, and credited
+        assert policy._shared
+        assert any(policy.count(key) > 1 for key in policy._shared)
+        assert sorted(policy.eviction_order()) == sorted(primary.keys())
         assert primary.num_requests == 0  # every request's state was dropped at its finish
