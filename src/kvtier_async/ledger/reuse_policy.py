@@ -201,23 +201,16 @@ class ReusePolicy(CachePolicy):
     def insert(self, keys: Sequence[bytes], req: RequestAccess) -> None:
         """New keys (never cold, shared or credited yet): placed tail first, each counted
         once more than its ghost remembers."""
-        counts, ghost, recent, clock = self._count, self._ghost, self._recent, self._clock
-        self._clock = clock + len(keys)
-        if ghost.keys().isdisjoint(keys):  # the usual case: all new, a count of 1
+        counts, ghost = self._count, self._ghost
+        if ghost.keys().isdisjoint(keys):  # the usual case: all new, a count of 1, no credit
+            clock = self._clock
+            self._clock = clock + len(keys)
             counts.update(dict.fromkeys(keys, 1))
-            recent.update(zip(reversed(keys), range(clock + 1, clock + 1 + len(keys))))
+            self._recent.update(zip(reversed(keys), range(clock + 1, clock + 1 + len(keys))))
             return
-        chain_credit, top = self._chain_credit, self.max_chain_count
-        for index in range(len(keys) - 1, -1, -1):
-            key = keys[index]
-            clock += 1
-            count = counts[key] = ghost.pop(key, 0) + 1
-            if count == 1:
-                recent[key] = clock
-                continue
-            due = clock + chain_credit[count if count < top else top]
-            self._due[key] = due
-            heapq.heappush(self._heap, (due, key))
+        for key in keys:
+            counts[key] = ghost.pop(key, 0) + 1
+        self._place_all(keys, (), len(keys) - 1)
 
     def remove(self, key: bytes) -> None:
         del self._count[key]
