@@ -8,6 +8,7 @@ from typing import TypeVar
 
 from kvtier_async.ledger import LookupResult, PrimaryLedger, make_offload_key
 from kvtier_async.ledger.prefix_policy import PrefixPolicy
+from kvtier_async.ledger.reuse_policy import ReusePolicy
 
 P = TypeVar("P", bound=PrefixPolicy)
 
@@ -58,3 +59,8 @@ def snapshot(policy: PrefixPolicy) -> tuple[object, ...]:
         policy._epoch,
         policy._inserted,
     )
+
+
+def live(policy: ReusePolicy) -> list[tuple[int, bytes]]:
+    """A `ReusePolicy` heap's live entries, sorted (stale ones may go at any pop)."""
+    return sorted(entry for entry in policy._heap if policy._due.get(entry[1]) == entry[0])

@@ -4,6 +4,7 @@ as with LRU."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,8 +20,10 @@ pytestmark = pytest.mark.vllm
 # scheduler preempts; the CPU tier (64 offloaded blocks) fills up and evicts too.
 TRACE = shared_prefix_requests(seed=7, num_requests=40)
 SMALL_GPU: dict[str, Any] = {"num_gpu_blocks": 48, "max_num_batched_tokens": 256}
-PREFIX = {**OURS, "extra_config": {**OURS["extra_config"], "eviction_policy": "prefix"}}
-REUSE = {**OURS, "extra_config": {**OURS["extra_config"], "eviction_policy": "reuse"}}
+
+
+def with_policy(name: str) -> dict[str, Any]:
+    return {**OURS, "extra_config": {**OURS["extra_config"], "eviction_policy": name}}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,47 +32,42 @@ def _vllm() -> None:
     vh.load()
 
 
-def test_the_prefix_policy_behind_the_connector() -> None:
+@pytest.fixture(scope="module")
+def baseline() -> dict[Any, Any]:
+    """The trace's outputs with no connector (one run for both policies)."""
     with vh.VllmHarness(**SMALL_GPU) as h:
         h.drive(TRACE, per_step=2)
-        baseline = dict(h.stats.outputs)
-    with vh.VllmHarness(**SMALL_GPU, **PREFIX) as h:
+        return dict(h.stats.outputs)
+
+
+def check_prefix(policy: Any) -> None:
+    assert isinstance(policy, PrefixPolicy)
+    assert policy._ghost_private or policy._ghost_shared  # it evicted
+    assert policy.shared_keys  # the documents' heads were seen forking into requests
+
+
+def check_reuse(policy: Any) -> None:
+    assert isinstance(policy, ReusePolicy)
+    assert policy._ghost  # it evicted
+    # the documents' heads were seen forking into requests: shared, and credited
+    assert policy._shared
+    assert any(policy.count(key) > 1 for key in policy._shared)
+    assert sorted(policy.eviction_order()) == sorted(policy.table.slot_of)
+
+
+@pytest.mark.parametrize(("name", "check"), [("prefix", check_prefix), ("reuse", check_reuse)])
+def test_the_policy_behind_the_connector(
+    name: str, check: Callable[[Any], None], baseline: dict[Any, Any]
+) -> None:
+    with vh.VllmHarness(**SMALL_GPU, **with_policy(name)) as h:
         h.drive(TRACE, per_step=2)
         assert h.stats.outputs == baseline
         assert h.stats.preemptions > 0
         assert h.stats.external_hit_tokens > 0
         h.assert_no_leaks()
         primary = h.connector.scheduler.ledger.primary
-        policy = primary.policy
-        assert isinstance(policy, PrefixPolicy)
         stats = primary.statistics()
         assert stats.pinned == 0 and stats.writing == 0
         assert stats.used == stats.capacity
-        assert policy._ghost_private or policy._ghost_shared  # it evicted
-        # the documents' heads were seen forking into requests: shared
-        assert policy.shared_keys
-        assert primary.num_requests == 0  # every request's state was dropped at its finish
-
-
-def test_the_reuse_policy_behind_the_connector() -> None:
-    with vh.VllmHarness(**SMALL_GPU) as h:
-        h.drive(TRACE, per_step=2)
-        baseline = dict(h.stats.outputs)
-    with vh.VllmHarness(**SMALL_GPU, **REUSE) as h:
-        h.drive(TRACE, per_step=2)
-        assert h.stats.outputs == baseline
-        assert h.stats.preemptions > 0
-        assert h.stats.external_hit_tokens > 0
-        h.assert_no_leaks()
-        primary = h.connector.scheduler.ledger.primary
-        policy = primary.policy
-        assert isinstance(policy, ReusePolicy)
-        stats = primary.statistics()
-        assert stats.pinned == 0 and stats.writing == 0
-        assert stats.used == stats.capacity
-        assert policy._ghost  # it evicted
-        # the documents' heads were seen forking into requests: shared, and credited
-        assert policy._shared
-        assert any(policy.count(key) > 1 for key in policy._shared)
-        assert sorted(policy.eviction_order()) == sorted(primary.keys())
+        check(primary.policy)
         assert primary.num_requests == 0  # every request's state was dropped at its finish

@@ -17,12 +17,7 @@ from kvtier_async.integrations.vllm.config import ConnectorConfig
 from kvtier_async.ledger import PrimaryLedger, make_policy
 from kvtier_async.ledger.policies import SlotTable
 from kvtier_async.ledger.reuse_policy import ReusePolicy
-from ledger_requests import k, ks, request
-
-
-def live(policy: ReusePolicy) -> list[tuple[int, bytes]]:
-    """The heap's live entries, sorted (a refused eviction may drop stale ones)."""
-    return sorted(entry for entry in policy._heap if policy._due.get(entry[1]) == entry[0])
+from ledger_requests import k, ks, live, request
 
 
 def reuse_ledger(capacity: int) -> tuple[PrimaryLedger, ReusePolicy]:

@@ -17,6 +17,7 @@ from kvtier_async.ledger import (
 )
 from kvtier_async.ledger.prefix_policy import PrefixPolicy
 from kvtier_async.ledger.reuse_policy import ReusePolicy
+from ledger_requests import live
 
 KEYS = [make_offload_key(i.to_bytes(4, "big"), i % 2) for i in range(12)]
 key_lists = st.lists(st.sampled_from(KEYS), max_size=6)
@@ -270,7 +271,7 @@ class ReuseLedgerMachine(PolicyStateMachine):
         return (
             dict(policy._count),
             dict(policy._due),
-            sorted(entry for entry in policy._heap if policy._due.get(entry[1]) == entry[0]),
+            live(policy),
             list(policy._recent.items()),
             list(policy._cold),
             dict(policy._next),
