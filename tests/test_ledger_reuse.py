@@ -81,6 +81,39 @@ def test_an_evicted_key_stored_again_keeps_its_count() -> None:
     assert len(policy._ghost) == 4  # at most ``capacity`` ghosts
 
 
+def test_a_request_does_not_evict_the_chain_it_just_loaded() -> None:
+    ledger, policy = reuse_ledger(6)
+    request(ledger, [1, 2, 3], "r1")
+    request(ledger, [4, 5, 6], "r2")  # 1-3 are now the oldest keys without credit
+    ledger.prepare_load(ks(1, 2), "r3")  # r3 reads 1, 2 (3 was cold: evicted first)
+    ledger.complete_load(ks(1, 2))
+    assert policy.eviction_order()[-2:] == ks(2, 1)  # reached: refreshed, head most recent
+    out = ledger.prepare_store(ks(7, 8, 9), "r3")
+    assert out is not None and set(out.evicted_keys) == set(ks(3, 5, 6))
+    ledger.complete_store(out.keys_to_store)
+    ledger.request_finished("r3")
+    assert k(1) in ledger and k(2) in ledger and policy.count(k(1)) == 2
+
+
+def test_a_credited_key_not_yet_due_keeps_its_due_when_reached() -> None:
+    ledger, policy = reuse_ledger(8)
+    request(ledger, [1, 2, 3], "r1")
+    request(ledger, [1, 2, 9], "r2")  # 1 and 2 read twice: credited
+    due = dict(policy._due)
+    ledger.prepare_load(ks(1, 2), "r3")  # not due for a long time: left where they are
+    assert policy._due == due and live(policy) == sorted((d, key) for key, d in due.items())
+    ledger.complete_load(ks(1, 2))
+    ledger.request_finished("r3")  # counted and placed when the request ends
+    assert policy.count(k(1)) == 3 and policy._due[k(1)] > due[k(1)]
+    # once its credit is spent, a reached key is due again from now
+    while policy._clock <= policy._due[k(2)]:
+        ledger.touch([k(9)])
+    spent = policy._due[k(2)]
+    ledger.prepare_load([k(2)], "r4")
+    assert policy._due[k(2)] == policy._clock + policy._chain_credit[3] > spent
+    assert policy.eviction_order().index(k(2)) > policy.eviction_order().index(k(1))
+
+
 def test_touch_counts_and_refreshes_a_held_key() -> None:
     ledger, policy = reuse_ledger(8)
     request(ledger, [1, 2, 3], "r1")

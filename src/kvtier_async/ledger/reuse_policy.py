@@ -41,7 +41,8 @@ no fork.
 Keys are placed tail first (a request's head ends most recent, as vLLM's LRU does), so a
 prefix is cut from its tail, not its middle. Hooks: `insert` places new keys with the count
 their ghost remembers plus one; `on_request_access` refreshes the held keys a request reaches
-(its own store does not evict the chain it just loaded); `on_request_finished` finds the
+(its own store does not evict the chain it just loaded), except credited keys not yet due:
+those come after every key without credit already; `on_request_finished` finds the
 fork, counts the keys the request reused and places its held keys again (the keys it only
 stored keep their places from `insert`, which is where a fresh placement would put them);
 `touch` (outside any request) counts and refreshes.
@@ -63,6 +64,7 @@ that one-time blocks should go first (the cold list).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
@@ -146,6 +148,21 @@ class ReusePolicy(CachePolicy):
         cold, clock, push = self._cold, self._clock, heapq.heappush
         forked = False  # once true, every held key from here to the head is shared
         following: bytes | None = None
+        if forks and kept:
+            # the usual end of a request: the keys it stored, a run at its tail, all held
+            # and new to every chain (no successor yet, none shared): each keeps its place
+            # and gets the next as its successor; in C, without the walk below
+            run = list(itertools.takewhile(kept.__contains__, reversed(keys[: end + 1])))
+            if (
+                run
+                and all(map(counts.__contains__, run))
+                and shared.isdisjoint(run)
+                and after.keys().isdisjoint(run[1:])
+            ):
+                after.update(zip(run[1:], run))
+                clock += len(run)
+                following = run[-1]
+                end -= len(run)
         for index in range(end, -1, -1):
             key = keys[index]
             count = counts.get(key)
@@ -184,6 +201,13 @@ class ReusePolicy(CachePolicy):
         if len(heap) > 2 * len(due_of) + 64:  # mostly stale entries: rebuild
             self._heap = [(due, key) for key, due in due_of.items()]
             heapq.heapify(self._heap)
+
+    def _credit(self, key: bytes) -> int:
+        """What ``key``'s count and sharing add to its stamp."""
+        count = self._count[key]
+        if key in self._shared:
+            return self._shared_credit[min(count, self.max_count)]
+        return self._chain_credit[min(count, self.max_chain_count)]
 
     def count(self, key: bytes) -> int:
         """``key``'s count: the requests that read or stored it (0: not held)."""
@@ -227,9 +251,29 @@ class ReusePolicy(CachePolicy):
 
     def on_request_access(self, keys: Sequence[bytes], req: RequestAccess) -> None:
         """Held keys a request reaches are refreshed now (tail first), so that its own store
-        does not evict the chain it just loaded; they count when it ends."""
-        if not self._count.keys().isdisjoint(keys):  # (a store's keys: none held yet)
-            self._place_all(keys, (), len(keys) - 1)
+        does not evict the chain it just loaded; they count when it ends. A credited key
+        not yet due keeps its due: it comes after every key without credit, which the
+        store evicts first (and it is placed again when the request ends)."""
+        counts = self._count
+        if counts.keys().isdisjoint(keys):  # (a store's keys: none held yet)
+            return
+        due_of, recent, cold = self._due, self._recent, self._cold
+        clock = self._clock
+        for key in reversed(keys):
+            if key not in counts:
+                continue
+            clock += 1
+            due = due_of.get(key)
+            if due is None:  # no credit: the recent end
+                if recent.pop(key, None) is None:
+                    del cold[key]
+                recent[key] = clock
+            elif due <= clock:  # credit spent: due again now, with its credit
+                due = due_of[key] = clock + self._credit(key)
+                heapq.heappush(self._heap, (due, key))
+            # else: due after every key without credit, which this request's store
+            # evicts first; it is placed when the request ends
+        self._clock = clock
 
     def on_request_finished(
         self,
