@@ -125,11 +125,13 @@ class ReusePolicy(CachePolicy):
         end: int,
         forks: bool = False,
         kept: Collection[bytes] = (),
+        unspent_stay: bool = False,
     ) -> None:
         """Place the held ``keys[: end + 1]`` again, tail first (the head ends most recent):
         each gets a fresh stamp, and those in ``counted`` count once more. A key without
         credit goes to the recent end of ``_recent``, a credited one into the heap at
-        ``stamp + credit``.
+        ``stamp + credit``. With ``unspent_stay``, a credited key not yet due keeps its
+        place (the clock ticks for it all the same).
 
         With ``forks`` (a finished request's keys, head -> tail), the key where the keys
         leave the chain first seen past it (or the first shared key) and every held key
@@ -184,6 +186,8 @@ class ReusePolicy(CachePolicy):
             if forked:
                 shared.add(key)
             clock += 1
+            if unspent_stay and due_of.get(key, 0) > clock:
+                continue
             if key in shared:
                 credit = shared_credit[count if count < top_shared else top_shared]
             else:
@@ -201,13 +205,6 @@ class ReusePolicy(CachePolicy):
         if len(heap) > 2 * len(due_of) + 64:  # mostly stale entries: rebuild
             self._heap = [(due, key) for key, due in due_of.items()]
             heapq.heapify(self._heap)
-
-    def _credit(self, key: bytes) -> int:
-        """What ``key``'s count and sharing add to its stamp."""
-        count = self._count[key]
-        if key in self._shared:
-            return self._shared_credit[min(count, self.max_count)]
-        return self._chain_credit[min(count, self.max_chain_count)]
 
     def count(self, key: bytes) -> int:
         """``key``'s count: the requests that read or stored it (0: not held)."""
@@ -254,26 +251,8 @@ class ReusePolicy(CachePolicy):
         does not evict the chain it just loaded; they count when it ends. A credited key
         not yet due keeps its due: it comes after every key without credit, which the
         store evicts first (and it is placed again when the request ends)."""
-        counts = self._count
-        if counts.keys().isdisjoint(keys):  # (a store's keys: none held yet)
-            return
-        due_of, recent, cold = self._due, self._recent, self._cold
-        clock = self._clock
-        for key in reversed(keys):
-            if key not in counts:
-                continue
-            clock += 1
-            due = due_of.get(key)
-            if due is None:  # no credit: the recent end
-                if recent.pop(key, None) is None:
-                    del cold[key]
-                recent[key] = clock
-            elif due <= clock:  # credit spent: due again now, with its credit
-                due = due_of[key] = clock + self._credit(key)
-                heapq.heappush(self._heap, (due, key))
-            # else: due after every key without credit, which this request's store
-            # evicts first; it is placed when the request ends
-        self._clock = clock
+        if not self._count.keys().isdisjoint(keys):  # (a store's keys: none held yet)
+            self._place_all(keys, (), len(keys) - 1, unspent_stay=True)
 
     def on_request_finished(
         self,
