@@ -272,7 +272,11 @@ class PrimaryLedger:
         """vLLM's ``_record_request_cache_access``: keys seen for the first time (in call
         order) go to the policy; ``reused`` keys not inserted by the request are reuses."""
         seen, noted = state.seen, state.noted
-        new = [key for key in keys if key not in seen]
+        new = (
+            list(keys)
+            if not seen or seen.keys().isdisjoint(keys)
+            else [key for key in keys if key not in seen]
+        )
         if new:
             following = state.next_position
             if not noted:  # every position derived: in record order, after all others

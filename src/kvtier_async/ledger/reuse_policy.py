@@ -66,7 +66,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
 
 from .policy import CachePolicy, RequestAccess, SlotTable
@@ -314,8 +314,9 @@ class ReusePolicy(CachePolicy):
                 del cold[key]
         if self._shared:
             self._shared.difference_update(victims)
-        for _ in range(len(ghost) - self.capacity):
-            ghost.popitem(last=False)
+        excess = len(ghost) - self.capacity
+        if excess > 0:
+            deque(map(ghost.popitem, itertools.repeat(False, excess)), maxlen=0)  # in C
         return victims
 
     def _take_recent(self, victims: list[bytes], n: int, protected: Collection[bytes]) -> bool:
@@ -324,11 +325,11 @@ class ReusePolicy(CachePolicy):
         heap, due_of = self._heap, self._due
         while heap and due_of.get(heap[0][1]) != heap[0][0]:
             heapq.heappop(heap)  # stale
-        limit, limit_key = heap[0] if heap else (-1, b"")
+        limit, limit_key = heap[0] if heap else (self._clock + 1, b"")  # (above every stamp)
         slot_of, ref = self.table.slot_of, self.table.ref
         before = len(victims)
         for key, stamp in self._recent.items():
-            if limit >= 0 and stamp >= limit and (stamp > limit or key > limit_key):
+            if stamp >= limit and (stamp > limit or key > limit_key):
                 break  # the heap's turn
             if ref[slot_of[key]] == 0 and key not in protected:
                 victims.append(key)
