@@ -34,7 +34,12 @@ pattern, at 10%, 25% and 50% of its distinct blocks (10% only with ``--quick``):
 rate of vLLM's LRU and ARC, ours (``lru`` and ``arc`` must hit exactly as vLLM's do: the
 run fails if not), ``prefix`` and ``reuse`` (against the better of vLLM's two), Belady's and
 the infinite cache's (every block kept: the leading keys an earlier request had) as bounds,
-and ``reuse``'s ops/s against vLLM's ARC, the two interleaved as above. A full run without
+and ``reuse``'s ops/s against vLLM's ARC, the two interleaved as above. Two more rows tell
+how much of the distance to those bounds is admission, the choice of which new blocks to
+store: our ``lru`` behind the oracle's filter (`admission_oracle`: it stores only the blocks
+a later request names), and behind the best of a few filters fitted to the trace itself on
+what is known when a block is stored (`fitted_admission`; fitted in-sample, so above what
+such a filter would do on traffic it has not seen). A full run without
 ``--trace`` ends with this case on the published conversation trace
 (`STANDING_TRACE`: ``../shared/traces/mooncake-conversation.jsonl`` beside the checkout),
 when it is there. A block id ``n`` of a trace is the key of block hash ``n`` (8 bytes, big
@@ -47,10 +52,11 @@ import functools
 import hashlib
 import heapq
 import importlib
+import itertools
 import random
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +100,8 @@ CASES = {  # case -> (policy, touch the hits)
 
 SWEEP_FRACTIONS = (0.10, 0.25, 0.50)  # of a trace's unique blocks
 SWEEP_TARGET = 1.1  # prefix's mean hit-rate ratio to vLLM's ARC over the sweep
+#: the fitted admission filters' thresholds tried (`fitted_admission`); 0 admits every key
+ADMISSION_THRESHOLDS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
 
 
 @dataclass(frozen=True)
@@ -207,9 +215,16 @@ class _Driver(Protocol):
 
 
 class _Ours:
-    def __init__(self, policy: str, touch: bool, capacity: int) -> None:
+    """Drives our ledger; with ``admit`` (per request, per key: whether to store it, as
+    `admission_oracle` and `fitted_admission` give), only the admitted keys of a request's
+    misses are stored."""
+
+    def __init__(
+        self, policy: str, touch: bool, capacity: int, admit: Sequence[list[bool]] | None = None
+    ) -> None:
         self.ledger = PrimaryLedger(capacity, policy=policy)
         self.touch = touch
+        self.admit = admit
 
     def request(self, index: int, keys: Sequence[bytes]) -> tuple[int, int, int]:
         led, req = self.ledger, index
@@ -228,6 +243,8 @@ class _Ours:
             if self.touch:
                 led.touch(head, req)
                 ops, moved = ops + 1, moved + hits
+        if self.admit is not None:
+            rest = list(itertools.compress(rest, self.admit[index][hits:]))
         if rest:
             out = led.prepare_store(rest, req)
             ops, moved = ops + 1, moved + len(rest)
@@ -377,6 +394,8 @@ def trace_case(source: TraceFile, *, quick: bool, say: Callable[[str], None]) ->
         f"{accesses} block accesses, {trace.unique_blocks} distinct blocks"
     )
     infinite = infinite_hit_rate(trace)
+    oracle = admission_oracle(trace)
+    fitted = fitted_admission(trace, oracle)
     records: list[BenchRecord] = []
     for fraction in fractions:
         capacity = trace.capacity_at(fraction)
@@ -414,7 +433,14 @@ def trace_case(source: TraceFile, *, quick: bool, say: Callable[[str], None]) ->
             records.append(
                 _hit_rate(f"{case}/{policy}", ours[policy].hit_rate, best, best_name, target)
             )
-        bounds = {"belady": belady_hit_rate(trace, capacity), "infinite": infinite}
+        perfect, fitted_rate, threshold = admission_hit_rates(trace, capacity, oracle, fitted)
+        say(f"ledger: {case}: lru behind the fitted filter: best at threshold {threshold}")
+        bounds = {
+            "lru-fitted-admission": fitted_rate,
+            "lru-oracle-admission": perfect,
+            "belady": belady_hit_rate(trace, capacity),
+            "infinite": infinite,
+        }
         for bound, rate in bounds.items():
             records.append(_hit_rate(f"{case}/{bound}", rate, best, best_name, None))
         records.append(
@@ -460,6 +486,75 @@ def infinite_hit_rate(trace: Trace) -> float:
         hits, total = hits + head, total + len(keys)
         seen.update(keys)
     return hits / total if total else 0.0
+
+
+def admission_oracle(trace: Trace) -> list[list[bool]]:
+    """Per request, per key: whether a later request names the key. An admission filter
+    that knew the future would store these and no others (`_Ours`'s ``admit``)."""
+    ahead: Counter[bytes] = Counter()
+    for keys in trace.requests:
+        ahead.update(dict.fromkeys(keys, 1))
+    masks = []
+    for keys in trace.requests:
+        ahead.subtract(dict.fromkeys(keys, 1))
+        masks.append([ahead[key] > 0 for key in keys])
+    return masks
+
+
+def _store_features(trace: Trace) -> list[list[tuple[int, int, int, bool]]]:
+    """Per request, per key, what a filter can know when the key is stored: the requests
+    that named it before (0-3, 3 for more), how many of the request's leading keys an
+    earlier request named (0, 1-3, 4-15, 16 or more: how far its history goes), how many
+    of its keys no earlier request named (1-3, 4-15, 16-47, 48 or more), and whether it is
+    the request's last key (a prompt's partial block)."""
+    named: Counter[bytes] = Counter()
+    features = []
+    for keys in trace.requests:
+        head = 0
+        while head < len(keys) and keys[head] in named:
+            head += 1
+        fresh = len(keys) - head
+        history = 0 if head == 0 else 1 if head < 4 else 2 if head < 16 else 3
+        size = 0 if fresh < 4 else 1 if fresh < 16 else 2 if fresh < 48 else 3
+        last = len(keys) - 1
+        features.append(
+            [(min(named[key], 3), history, size, at == last) for at, key in enumerate(keys)]
+        )
+        named.update(dict.fromkeys(keys, 1))
+    return features
+
+
+def fitted_admission(trace: Trace, oracle: list[list[bool]]) -> dict[float, list[list[bool]]]:
+    """Admission filters fitted to ``trace`` itself (so better than any filter could do on
+    traffic it has not seen): per threshold in `ADMISSION_THRESHOLDS`, store a key when
+    the share of the keys with its `_store_features` that a later request names (the
+    ``oracle``) is at least the threshold. Threshold 0 admits every key."""
+    features = _store_features(trace)
+    named_again: Counter[tuple[int, int, int, bool]] = Counter()
+    seen: Counter[tuple[int, int, int, bool]] = Counter()
+    for request, again in zip(features, oracle):
+        seen.update(request)
+        named_again.update(itertools.compress(request, again))
+    share = {feature: named_again[feature] / count for feature, count in seen.items()}
+    return {
+        threshold: [[share[feature] >= threshold for feature in request] for request in features]
+        for threshold in ADMISSION_THRESHOLDS
+    }
+
+
+def admission_hit_rates(
+    trace: Trace, capacity: int, oracle: list[list[bool]], fitted: dict[float, list[list[bool]]]
+) -> tuple[float, float, float]:
+    """Our ``lru`` (vLLM's LRU decisions) behind an admission filter: its hit rate with the
+    ``oracle``'s, and the best with a ``fitted`` one, with that filter's threshold. What
+    lies between them and the plain LRU is the room that admission of new blocks has, and
+    how much of it what is known at store time can take."""
+    perfect = _drive(_Ours("lru", False, capacity, oracle), trace).hit_rate
+    rate, threshold = max(
+        (_drive(_Ours("lru", False, capacity, mask), trace).hit_rate, threshold)
+        for threshold, mask in fitted.items()
+    )
+    return perfect, rate, threshold
 
 
 def _policy_case(
