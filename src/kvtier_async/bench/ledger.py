@@ -505,7 +505,7 @@ def _store_features(trace: Trace) -> list[list[tuple[int, int, int, bool]]]:
     """Per request, per key, what a filter can know when the key is stored: the requests
     that named it before (0-3, 3 for more), how many of the request's leading keys an
     earlier request named (0, 1-3, 4-15, 16 or more: how far its history goes), how many
-    of its keys no earlier request named (1-3, 4-15, 16-47, 48 or more), and whether it is
+    of its keys no earlier request named (0-3, 4-15, 16-47, 48 or more), and whether it is
     the request's last key (a prompt's partial block)."""
     named: Counter[bytes] = Counter()
     features = []
