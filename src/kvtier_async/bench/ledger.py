@@ -57,7 +57,7 @@ import random
 import statistics
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -433,7 +433,9 @@ def trace_case(source: TraceFile, *, quick: bool, say: Callable[[str], None]) ->
             records.append(
                 _hit_rate(f"{case}/{policy}", ours[policy].hit_rate, best, best_name, target)
             )
-        perfect, fitted_rate, threshold = admission_hit_rates(trace, capacity, oracle, fitted)
+        perfect, fitted_rate, threshold = admission_hit_rates(
+            trace, capacity, oracle, fitted, ours["lru"].hit_rate
+        )
         say(f"ledger: {case}: lru behind the fitted filter: best at threshold {threshold}")
         bounds = {
             "lru-fitted-admission": fitted_rate,
@@ -474,15 +476,22 @@ def policy_hit_rate(trace: Trace, policy: str, capacity: int) -> float:
     return _drive(_Ours(policy, False, capacity), trace).hit_rate
 
 
+def _known_head(keys: Sequence[bytes], known: Container[bytes]) -> int:
+    """How many of ``keys``' leading keys are in ``known`` (the bench's hits, when ``known``
+    is what the cache holds)."""
+    head = 0
+    while head < len(keys) and keys[head] in known:
+        head += 1
+    return head
+
+
 def infinite_hit_rate(trace: Trace) -> float:
     """The bench's hit rate with room for every block: per request, the leading keys that
     an earlier request had."""
     seen: set[bytes] = set()
     hits = total = 0
     for keys in trace.requests:
-        head = 0
-        while head < len(keys) and keys[head] in seen:
-            head += 1
+        head = _known_head(keys, seen)
         hits, total = hits + head, total + len(keys)
         seen.update(keys)
     return hits / total if total else 0.0
@@ -510,9 +519,7 @@ def _store_features(trace: Trace) -> list[list[tuple[int, int, int, bool]]]:
     named: Counter[bytes] = Counter()
     features = []
     for keys in trace.requests:
-        head = 0
-        while head < len(keys) and keys[head] in named:
-            head += 1
+        head = _known_head(keys, named)
         fresh = len(keys) - head
         history = 0 if head == 0 else 1 if head < 4 else 2 if head < 16 else 3
         size = 0 if fresh < 4 else 1 if fresh < 16 else 2 if fresh < 48 else 3
@@ -543,18 +550,27 @@ def fitted_admission(trace: Trace, oracle: list[list[bool]]) -> dict[float, list
 
 
 def admission_hit_rates(
-    trace: Trace, capacity: int, oracle: list[list[bool]], fitted: dict[float, list[list[bool]]]
+    trace: Trace,
+    capacity: int,
+    oracle: list[list[bool]],
+    fitted: dict[float, list[list[bool]]],
+    lru: float | None = None,
 ) -> tuple[float, float, float]:
     """Our ``lru`` (vLLM's LRU decisions) behind an admission filter: its hit rate with the
     ``oracle``'s, and the best with a ``fitted`` one, with that filter's threshold. What
     lies between them and the plain LRU is the room that admission of new blocks has, and
-    how much of it what is known at store time can take."""
-    perfect = _drive(_Ours("lru", False, capacity, oracle), trace).hit_rate
-    rate, threshold = max(
-        (_drive(_Ours("lru", False, capacity, mask), trace).hit_rate, threshold)
+    how much of it what is known at store time can take. ``lru``: the plain LRU's hit rate
+    when the caller has it, which the threshold-0 filter (every key admitted) then is
+    without a replay."""
+
+    def replay(mask: list[list[bool]]) -> float:
+        return _drive(_Ours("lru", False, capacity, mask), trace).hit_rate
+
+    best, threshold = max(
+        (lru if threshold == 0 and lru is not None else replay(mask), threshold)
         for threshold, mask in fitted.items()
     )
-    return perfect, rate, threshold
+    return replay(oracle), best, threshold
 
 
 def _policy_case(
@@ -664,9 +680,7 @@ def belady_hit_rate(trace: Trace, capacity: int) -> float:
     heap: list[tuple[int, bytes]] = []  # (-next use, key), stale entries skipped
     hits = total = 0
     for now, keys in enumerate(trace.requests):
-        head = 0
-        while head < len(keys) and keys[head] in held:
-            head += 1
+        head = _known_head(keys, held)
         hits, total = hits + head, total + len(keys)
         for key in keys:
             if key in held:
