@@ -78,7 +78,7 @@ def test_an_evicted_key_stored_again_keeps_its_count() -> None:
     assert policy.count(k(1)) == 3 and policy.ghost_count(k(1)) == 0  # its history, this store
     for i in range(8):
         request(ledger, [20 + 2 * i, 21 + 2 * i], f"s{i}")
-        assert 0 < policy.num_ghosts() <= 8  # at most ``2 * capacity`` ghosts
+        assert 0 < policy.num_ghosts() <= 8  # here at most ``2 * capacity`` ghosts
     assert policy.num_ghosts() >= 4  # and at least ``capacity`` once that many went
 
 

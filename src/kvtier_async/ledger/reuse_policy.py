@@ -22,7 +22,7 @@ walks and which ends when the chat does.
 
 So each key has a *count*: the requests that read or stored it (one per request), kept for a
 while after the key is evicted (ghosts, as ARC's: a block stored again soon after it went
-keeps its history; the last ``capacity`` to ``2 * capacity`` keys evicted). Each placement
+keeps its history; about the last one to two capacities' worth of evicted keys). Each placement
 ticks a clock and stamps the key; the policy evicts the key with the smallest
 ``stamp + credit``, where a count of 1 has no credit, a key of a chain
 ``credit_capacities * capacity * sqrt(c - 1)`` (``c`` capped at ``max_chain_count``) and a
@@ -111,8 +111,9 @@ class ReusePolicy(CachePolicy):
         self._due: dict[bytes, int] = {}  # credited key -> stamp + credit
         self._heap: list[tuple[int, bytes]] = []  # (due, key), stale entries included
         self._cold: OrderedDict[bytes, None] = OrderedDict()  # held, evicted first
-        # evicted key -> its count, in two generations: the newer fills to ``capacity``
-        # keys, then becomes the older one, and the older one is dropped whole
+        # evicted key -> its count, in two generations: once the newer holds ``capacity``
+        # keys (checked after each eviction), it becomes the older one, and the older one
+        # is dropped whole
         self._ghost: dict[bytes, int] = {}
         self._old_ghost: dict[bytes, int] = {}
         self._clock = 0
@@ -226,8 +227,9 @@ class ReusePolicy(CachePolicy):
         return self._ghost.get(key) or self._old_ghost.get(key, 0)
 
     def num_ghosts(self) -> int:
-        """How many evicted keys' counts are remembered: from ``capacity`` (once that many
-        were evicted) to twice that."""
+        """How many evicted keys' counts are remembered: at most ``2 * capacity`` plus one
+        eviction's victims; at least the last ``capacity`` evicted (once that many were) but
+        those stored again since."""
         return len(self._ghost) + len(self._old_ghost)
 
     def eviction_order(self) -> list[bytes]:
