@@ -51,6 +51,19 @@ def test_a_reused_last_key_is_not_sent_cold() -> None:
     assert policy.eviction_order()[0] == k(3)  # r3's only key, cold; 1 and 2 are not
 
 
+def test_a_last_key_another_request_stored_again_and_sent_cold_stays_cold() -> None:
+    # found by the state machine: r1 stores 1 and 2, 2's write fails, an anonymous call
+    # stores 2 again (its last key: cold), then r1 ends with 2 as its own last stored key
+    ledger, policy = reuse_ledger(4)
+    ledger.prepare_store(ks(1, 2), "r1")
+    assert ledger.complete_store(ks(2), success=False) == ks(2)
+    assert ledger.prepare_store(ks(2)) is not None
+    assert policy.eviction_order() == ks(2, 1)  # cold, then r1's head
+    ledger.request_finished("r1")
+    assert policy.eviction_order() == ks(2, 1)
+    assert ledger.policy.count(k(2)) == 1
+
+
 def test_a_key_read_again_outlives_newer_keys_read_once_but_not_forever() -> None:
     ledger, policy = reuse_ledger(6)  # a count of 2 is worth 2 * 6 = 12 placements
     request(ledger, [1, 2, 9], "r1")

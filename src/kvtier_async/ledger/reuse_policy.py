@@ -304,8 +304,8 @@ class ReusePolicy(CachePolicy):
         # every key placed before): as a fresh placement now would leave them, unless
         # another request's keys were placed in between
         self._place_all(order, reused, end, forks=True, kept=inserted)
-        if tail_cold:
-            del self._recent[last]
+        if tail_cold:  # (already cold when another request stored it again and ended first)
+            self._recent.pop(last, None)
             self._cold[last] = None
 
     def evict(self, n: int, protected: Collection[bytes]) -> list[bytes] | None:
