@@ -231,15 +231,27 @@ def test_waiter_times_out_when_creator_never_sizes(shm_dir: Path, iid: str) -> N
     assert path.exists()  # not ours to remove
 
 
-def test_waiter_fails_fast_when_creator_unlinks(
+def test_waiter_races_again_when_creator_unlinks(
     shm_dir: Path, iid: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = region_path(shm_dir, iid)
     path.touch(mode=0o600)
-    # the creator fails (and unlinks the file) while we poll
-    monkeypatch.setattr(create_module, "_sleep", lambda _s: path.unlink())
-    with pytest.raises(RegionError, match="removed before it was ready"):
-        SharedRegion(iid, 4, 8, directory=shm_dir, wait_timeout_s=WAIT_S)
+    # the creator fails (and unlinks the file) while we poll: we create it ourselves
+    monkeypatch.setattr(create_module, "_sleep", lambda _s: path.unlink(missing_ok=True))
+    with SharedRegion(iid, 4, 8, directory=shm_dir, wait_timeout_s=WAIT_S) as region:
+        assert region.is_creator and region.size_bytes == 4 * PAGE_SIZE
+        assert path.stat().st_size == 4 * PAGE_SIZE
+
+
+def test_a_file_of_another_size_with_no_owner_record_is_refused_at_the_deadline(
+    shm_dir: Path, iid: str
+) -> None:
+    path = region_path(shm_dir, iid)
+    path.write_bytes(bytes(3 * PAGE_SIZE))
+    path.chmod(0o600)
+    with pytest.raises(RegionLayoutError, match=f"is {3 * PAGE_SIZE} bytes"):
+        SharedRegion(iid, 4, 8, directory=shm_dir, wait_timeout_s=0.05)
+    assert path.exists()  # not ours to remove
 
 
 def test_size_mismatch_names_both_sizes(shm_dir: Path, iid: str) -> None:
@@ -483,6 +495,60 @@ def test_every_worker_restarting_at_once_reclaims_once(shm_dir: Path, iid: str) 
     join_all(procs)
     assert sum(creator for _, creator, *_ in results) == 1
     assert {(seen, size) for *_, seen, size in results} == {(8 * 4 * PAGE_SIZE,) * 2}
+    assert list(shm_dir.iterdir()) == []
+
+
+@pytest.mark.usefixtures("no_reaper")
+def test_a_joiner_races_again_when_another_reclaims_the_dead_region_under_it(
+    shm_dir: Path, iid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in CI (above, four workers at once): a joiner opened a dead creator's region
+    and another joiner reclaimed it before the first read its owner record."""
+    dead_inode = _kill_a_creator(iid, shm_dir)
+    path, real_owner = region_path(shm_dir, iid), create_module._owner
+    reclaimed: list[int] = []
+
+    def owner_after_a_reclaim(region: Path, inode: int) -> Any:
+        if inode == dead_inode and not reclaimed:  # the other joiner's reclaim, all of it
+            reclaimed.append(inode)
+            owner_path(path).unlink()
+            path.unlink()
+        return real_owner(region, inode)
+
+    monkeypatch.setattr(create_module, "_owner", owner_after_a_reclaim)
+    with SharedRegion(iid, 4, 8, directory=shm_dir, wait_timeout_s=WAIT_S) as region:
+        assert region.is_creator and region.num_slots == 4
+    assert reclaimed == [dead_inode]
+    assert list(shm_dir.iterdir()) == []
+
+
+@pytest.mark.usefixtures("no_reaper")
+def test_a_joiner_waits_out_a_reclaim_between_its_two_unlinks(
+    shm_dir: Path, iid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reclaimer removes the owner record, then the file: a joiner that looks in between
+    sees a file of another size with no record, and waits for it to go, not refusing it as
+    another configuration's."""
+    dead_inode = _kill_a_creator(iid, shm_dir)
+    path, real_owner = region_path(shm_dir, iid), create_module._owner
+    steps: list[str] = []
+
+    def owner_mid_reclaim(region: Path, inode: int) -> Any:
+        if inode == dead_inode and not steps:
+            steps.append("record")
+            owner_path(path).unlink()
+        return real_owner(region, inode)
+
+    def sleep_while_the_file_goes(_seconds: float) -> None:
+        if steps == ["record"]:
+            steps.append("file")
+            path.unlink()
+
+    monkeypatch.setattr(create_module, "_owner", owner_mid_reclaim)
+    monkeypatch.setattr(create_module, "_sleep", sleep_while_the_file_goes)
+    with SharedRegion(iid, 4, 8, directory=shm_dir, wait_timeout_s=WAIT_S) as region:
+        assert region.is_creator and region.num_slots == 4
+    assert steps == ["record", "file"]
     assert list(shm_dir.iterdir()) == []
 
 

@@ -7,12 +7,16 @@ size, which is what the others wait for. The others open the existing file (``O_
 symbolic link there is refused) and refuse it unless it is a regular file owned by this user
 that nobody else may read or write (mode 0600 or narrower), then poll ``fstat`` until the size
 is right (a constructor at process start-up, not the event loop, so a short poll is fine).
-They fail fast when the creator unlinked the file (``st_nlink == 0``: it failed) or when the
-size or layout differs from theirs (another configuration). If the creator fails after
-winning, it removes the file so waiters fail fast. A joiner that finds a dead creator's region
-reclaims it (`kvtier_async.memory._reclaim`) and races again; it takes its shared lock only
-after judging the owner alive and then checks that the file is still linked at its path, so it
-never maps a file that was reclaimed under it.
+They fail fast when the size or layout differs from theirs (another configuration). If the
+creator fails after winning, it removes the file; a waiter that finds the file it opened
+unlinked (``st_nlink == 0``: its creator failed or closed, or another joiner reclaimed it
+from a dead creator) races again, and the winner creates it anew or meets the creator's
+error itself (no space, say). A joiner that finds a dead creator's region reclaims it
+(`kvtier_async.memory._reclaim`: the owner record first, then the file) and races again; it
+takes its shared lock only after judging the owner alive and then checks that the file is
+still linked at its path, so it never maps a file that was reclaimed under it. A file sized
+for another layout with no owner record is one being reclaimed: the joiner waits for it to
+go (until its deadline, then refuses it as another configuration's).
 
 *One owner.* A handle made with a ``role`` (every product face makes one: the cache of
 :class:`~kvtier_async.TieredKVCache` as worker 0, a vLLM worker as its rank, vLLM's scheduler
@@ -98,8 +102,7 @@ def open_region(
         RegionLayoutError: The file was sized or laid out for another configuration.
         StaleRegionError: The file's creator is dead but a live process still maps it.
         RegionClaimedError: The creator recorded another ``token``.
-        RegionError: The creator removed the file before sizing it, or the file is not this
-            user's private regular file.
+        RegionError: The file is not this user's private regular file.
         OSError: The directory lacks space or permissions.
     """
     wanted = _Wanted(path, instance_id, layout, token)
@@ -166,9 +169,23 @@ def _join(fd: int, inode: int, wanted: _Wanted, deadline: float) -> bool:
         if owner is not None and not is_alive(owner):
             reclaim(path, fd, inode, owner, deadline)
             return False
-        if _sized(fd, path, size):
+        st = os.fstat(fd)
+        if st.st_nlink == 0:
+            # removed under us: its creator failed or closed, or it was a dead creator's
+            # region that another process reclaimed between our open and our reading of the
+            # owner record. Race again: the winner creates it anew (and meets the creator's
+            # error itself, if it had one)
+            return False
+        if st.st_size == size:
             break
         remaining = deadline - time.monotonic()
+        if st.st_size != 0 and (owner is not None or remaining <= 0):
+            raise RegionLayoutError(
+                f"{path} is {st.st_size} bytes, this worker expects {size} bytes "
+                "(num_slots * num_workers * row_bytes): another configuration created it"
+            )
+        # (sized otherwise with no owner record: a reclaimer removes the record first, then
+        # the file; wait for the file to go, up to the deadline)
         if remaining <= 0:
             raise TimeoutError(
                 f"timed out waiting for the creator to size {path} to {size} bytes (it is 0 bytes)"
@@ -280,19 +297,6 @@ def _retry_pause(path: Path, deadline: float) -> None:
     if remaining <= 0:
         raise TimeoutError(f"could not open or create {path}: it kept changing under us")
     _sleep(min(0.001, remaining))
-
-
-def _sized(fd: int, path: Path, expected: int) -> bool:
-    """Whether the creator has sized the file to ``expected`` bytes (False: not yet)."""
-    st = os.fstat(fd)
-    if st.st_nlink == 0:
-        raise RegionError(f"{path} was removed before it was ready (its creator failed or closed)")
-    if st.st_size not in (0, expected):
-        raise RegionLayoutError(
-            f"{path} is {st.st_size} bytes, this worker expects {expected} bytes "
-            "(num_slots * num_workers * row_bytes): another configuration created it"
-        )
-    return st.st_size == expected
 
 
 def _check_free_space(directory: Path, size: int) -> None:
