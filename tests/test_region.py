@@ -880,3 +880,16 @@ def test_an_owner_record_of_another_user_is_ignored(shm_dir: Path, iid: str) -> 
 
 def test_page_size_matches_mmap() -> None:
     assert PAGE_SIZE == mmap.PAGESIZE
+
+
+def test_the_file_system_of_a_path_is_named_for_the_pin_warning(tmp_path: Path) -> None:
+    """A refused pin's warning names the file system (tmpfs pins; disk file systems may not)."""
+    from kvtier_async.memory.region import _file_system
+
+    mounts = Path("/proc/self/mounts").read_text().split("\n")
+    shm = [line.split()[2] for line in mounts if line.split()[1:2] == ["/dev/shm"]]
+    if shm:
+        assert _file_system(Path("/dev/shm/kvtier-x")) == shm[0]
+    root = [line.split()[2] for line in mounts if line.split()[1:2] == ["/"]]
+    assert _file_system(Path("/")) == root[-1]
+    assert _file_system(tmp_path) != "?"

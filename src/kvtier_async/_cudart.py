@@ -33,7 +33,7 @@ from typing import Any, Final
 from kvtier_async._log import get_logger
 from kvtier_async._native import disabled
 
-__all__ = ["MemcpyAsync", "loaded_library_path", "memcpy_async", "runtime"]
+__all__ = ["MemcpyAsync", "clear_last_error", "loaded_library_path", "memcpy_async", "runtime"]
 
 log = get_logger(__name__)
 
@@ -93,6 +93,24 @@ def runtime() -> Any:
     except (AssertionError, RuntimeError) as exc:
         log.warning("CUDA runtime unavailable", error=str(exc))
         return None
+
+
+def clear_last_error() -> int:
+    """Reset the calling thread's last CUDA runtime error; the code it held (0: none).
+
+    A failed runtime call (``cudaHostRegister`` refusing a mapping, say) leaves its code
+    as the thread's last error, and torch reads that after its next kernel launch: the
+    caller's next, unrelated kernel would raise it. A failure we handle is cleared here."""
+    path = loaded_library_path()
+    if path is None:
+        return 0
+    try:
+        function = ctypes.CDLL(path).cudaGetLastError
+    except (OSError, AttributeError):
+        return 0
+    function.argtypes = []
+    function.restype = ctypes.c_int
+    return int(function())
 
 
 def loaded_library_path() -> str | None:

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 import numpy.typing as npt
 
-from kvtier_async._cudart import runtime
+from kvtier_async._cudart import clear_last_error, runtime
 from kvtier_async._log import get_logger
 from kvtier_async.memory import _reaper
 from kvtier_async.memory._create import Layout, Role, claim, open_region
@@ -96,6 +96,9 @@ log = get_logger(__name__)
 PAGE_SIZE: Final = mmap.PAGESIZE
 # MADV_POPULATE_WRITE appeared in Linux 5.14; Python's mmap exports it from 3.13.
 _MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+# Linux refuses a long-term pin of file-backed pages on a file system that tracks dirty
+# pages (ext4, xfs, overlayfs... on 6.x kernels): only tmpfs and hugetlbfs regions pin.
+_PIN_HINT = "put the region on tmpfs (region_dir on /dev/shm, the default) to pin it"
 
 
 class SharedRegion:
@@ -301,10 +304,13 @@ class SharedRegion:
             return False
         code = int(cudart.cudaHostRegister(self._address, self._size, 0))
         if code != 0:
+            clear_last_error()  # else torch raises it after the caller's next kernel
             log.warning(
                 "cudaHostRegister failed; copies will use pageable memory",
                 path=str(self._path),
                 code=code,
+                file_system=_file_system(self._path),
+                hint=_PIN_HINT,
             )
             return False
         self._cuda_registered = True
@@ -402,6 +408,25 @@ class SharedRegion:
 
 
 # -- closing -------------------------------------------------------------------
+
+
+def _file_system(path: Path) -> str:
+    """The type of the file system holding ``path`` (``tmpfs``, ``ext4``...), or ``?``."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text()
+    except OSError:
+        return "?"
+    best, kind = "", "?"
+    target = str(path)
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):  # a later mount on the same point hides earlier ones
+            best, kind = point, fields[2]
+    return kind
 
 
 def close_region(region: SharedRegion) -> bool:
