@@ -386,3 +386,22 @@ def test_host_slots_of_an_interleaved_region(tmp_path: Path) -> None:
         assert bytes(mine.slot_view(2)) == b"\x09" * 5000
         assert bytes(peer.slot_view(2)) == b"\x00" * 5000
         del flat, host
+
+
+def test_triton_runs_plans_of_many_short_runs() -> None:
+    """The CUDA copier's per-plan choice: Triton for at least MIN_JOBS runs shorter than the
+    threshold on average, the copy engine for fewer runs or longer ones."""
+    from kvtier_async.kernels.swap_blocks import MIN_JOBS
+
+    from kvtier_async.transfer.copier import triton_plan
+    from kvtier_async.transfer.handlers import DEFAULT_TRITON_THRESHOLD
+
+    below = DEFAULT_TRITON_THRESHOLD
+    assert triton_plan(MIN_JOBS, MIN_JOBS * (below - 1), below)  # scattered short runs
+    assert not triton_plan(MIN_JOBS - 1, 8, below)  # too few to amortise a launch
+    assert not triton_plan(MIN_JOBS, MIN_JOBS * below, below)  # a mean of the threshold
+    assert not triton_plan(1, 64 << 20, below)  # contiguous ids: one merged run
+    # scattered 512 KiB pages go to Triton, 2 MiB ones to the copy engine (H200 figures)
+    assert triton_plan(128, 128 * (512 << 10), below)
+    assert not triton_plan(32, 32 * (2 << 20), below)
+    assert triton_plan(MIN_JOBS, MIN_JOBS * (64 << 20), None)  # forced: any length

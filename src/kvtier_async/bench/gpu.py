@@ -17,9 +17,9 @@ every page size (forced on), against the copy engine on the same blocks. Per dir
 run finds the crossover: the smallest page size from which the copy engine is at least as
 fast as Triton at that size and every larger one ('none' when Triton wins everywhere; the
 record's ``ours`` is then 0), shown against today's `DEFAULT_TRITON_THRESHOLD`. And at
-every size, the path a default handler picks (`CudaCopyHandler` with ``use_triton=None``)
-is compared with the faster of the two measured: target 0.95 of it (`CHOICE_TARGET`: the
-faster one chosen, within measurement noise).
+every size, the path a default handler takes for the scattered batch (`CudaCopyHandler`
+with ``use_triton=None``, its `path_for`) is compared with the faster of the two measured:
+target 0.95 of it (`CHOICE_TARGET`: the faster one chosen, within measurement noise).
 
 *Event bridge.* One round: GPU work of about 0.1 ms (``torch.cuda._sleep`` between two
 timing events), an event recorded after it, then the wait; the wake latency is the time
@@ -228,7 +228,9 @@ def _page_cases(
                 unit="GB/s",
             )
         )
-        records.append(_choice_record(kv, host, to_host, bridge, case, triton, engine, settings))
+        records.append(
+            _choice_record(kv, host, to_host, bridge, specs, case, triton, engine, settings)
+        )
         return _PathSpeeds(page, triton, engine), records
     finally:
         bridge.close()
@@ -265,14 +267,15 @@ def _choice_record(
     host: HostSlots,
     to_host: bool,
     bridge: EventBridge,
+    specs: tuple[Any, Any],
     case: str,
     triton: float,
     engine: float,
     settings: _Settings,
 ) -> BenchRecord:
-    """The path a default handler picks for these pages, against the faster one."""
+    """The path a default handler takes for this transfer, against the faster one."""
     handler = CudaCopyHandler(kv, host, to_host=to_host, bridge=bridge)
-    chose_triton = handler.uses_triton
+    chose_triton = handler.path_for(*specs) == "triton"
     handler.close()
     chosen = triton if chose_triton else engine
     return throughput_record(

@@ -21,11 +21,11 @@ triples; the copier that runs it is chosen by where the device memory lives:
     waits on the compute streams (a store must not read KV the forward pass is still
     writing; a load must not race pending writes to its blocks) and on the previous
     transfer's end event (transfers run in submission order). With ``use_triton`` a batch of
-    at least ``MIN_JOBS`` runs is one launch of the Triton swap-blocks kernel
-    (`kvtier_async.kernels.swap_blocks`); otherwise the copy engine moves it, one
-    ``cudaMemcpyAsync`` per run (through ctypes on torch's CUDA runtime,
-    `kvtier_async._cudart`, after a self-test), else ``Tensor.copy_(non_blocking=True)`` on
-    views of the device allocations
+    at least ``MIN_JOBS`` runs shorter than ``triton_below`` bytes on average is one launch
+    of the Triton swap-blocks kernel (`kvtier_async.kernels.swap_blocks`); otherwise the
+    copy engine moves it, one ``cudaMemcpyAsync`` per run (through ctypes on torch's CUDA
+    runtime, `kvtier_async._cudart`, after a self-test), else
+    ``Tensor.copy_(non_blocking=True)`` on views of the device allocations
     (`DeviceStorages`). Completion is the end event, awaited through the `EventBridge`; a
     cancelled transfer waits for the end event (shielded) before it re-raises, so nothing is
     written after its job ended. A device copy is not split: the DMA of one job takes
@@ -66,6 +66,7 @@ __all__ = [
     "TransferError",
     "TransferResult",
     "chunked",
+    "triton_plan",
 ]
 
 log = get_logger(__name__)
@@ -182,6 +183,17 @@ class _InFlight:
     keepalive: object  # what the device may still read (a pinned descriptor table)
 
 
+def triton_plan(runs: int, total_bytes: int, below: int | None) -> bool:
+    """Whether a plan of ``runs`` merged runs moving ``total_bytes`` is one Triton launch
+    (where Triton may run): at least ``MIN_JOBS`` runs (fewer do not amortise the launch)
+    shorter than ``below`` bytes on average (None: any length)."""
+    from kvtier_async.kernels.swap_blocks import MIN_JOBS
+
+    if runs < MIN_JOBS:
+        return False
+    return below is None or total_bytes < below * runs
+
+
 class CudaPlanCopier:
     """Runs plans between one CUDA device and pinned host slots on pooled side streams.
 
@@ -193,8 +205,11 @@ class CudaPlanCopier:
         compute_stream: The stream every transfer waits on by default; default: the current
             stream of the constructing thread (vLLM builds the worker in its model-runner
             thread).
-        use_triton: Launch the Triton kernel for plans of at least ``MIN_JOBS`` runs (the
-            caller checked that its pages qualify: pinned host, small aligned pages).
+        use_triton: Let the Triton kernel run plans of at least ``MIN_JOBS`` runs (the
+            caller checked that its pages qualify: pinned host, 8-byte aligned).
+        triton_below: With ``use_triton``, the mean bytes per run below which a plan is
+            one Triton launch (scattered small runs); a plan of longer runs goes to the
+            copy engine. None: every plan of at least ``MIN_JOBS`` runs is a launch.
         use_cudart: Issue copy-engine runs with ``cudaMemcpyAsync`` through ctypes (when
             its self-test passes) rather than ``Tensor.copy_`` (several us per run more).
         storages: The device allocations, for ``Tensor.copy_`` copies; may instead be given
@@ -210,10 +225,14 @@ class CudaPlanCopier:
         bridge: EventBridge,
         compute_stream: torch.cuda.Stream | None = None,
         use_triton: bool = False,
+        triton_below: int | None = None,
         use_cudart: bool = True,
         storages: DeviceStorages | None = None,
     ) -> None:
         import torch
+
+        if triton_below is not None and triton_below < 1:
+            raise ValueError(f"triton_below must be a positive byte count, got {triton_below}")
 
         if device.type != "cuda":
             raise ValueError(f"CudaPlanCopier needs a CUDA device, got {device}")
@@ -225,6 +244,7 @@ class CudaPlanCopier:
         self._host_flat: torch.Tensor | None = host.flat()
         self._storages = storages
         self._use_triton = use_triton
+        self._triton_below = triton_below
         self._memcpy = memcpy_async() if use_cudart else None
         self._streams: list[torch.cuda.Stream] = []
         self._events: list[torch.cuda.Event] = []
@@ -233,7 +253,13 @@ class CudaPlanCopier:
 
     @property
     def uses_triton(self) -> bool:
+        """Whether the Triton kernel may run this copier's plans (`triton_for` decides)."""
         return self._use_triton
+
+    def triton_for(self, plan: CopyPlan) -> bool:
+        """Whether ``plan`` is one Triton launch: Triton allowed, at least ``MIN_JOBS``
+        runs, and runs shorter than ``triton_below`` bytes on average."""
+        return self._use_triton and triton_plan(len(plan), plan.total_bytes, self._triton_below)
 
     @property
     def copy_engine_path(self) -> str:
@@ -254,7 +280,7 @@ class CudaPlanCopier:
     ) -> TransferResult:
         """Enqueue ``plan`` (after the compute stream and the streams ``after``) and await
         its completion; a cancelled transfer returns only after its copy ended."""
-        if len(plan) <= _INLINE_MAX_RUNS or self._use_triton:
+        if len(plan) <= _INLINE_MAX_RUNS or self.triton_for(plan):
             flight = self._submit(plan, after, storages)
         else:
             with anyio.CancelScope(shield=True):  # what is enqueued must be awaited below
@@ -329,9 +355,9 @@ class CudaPlanCopier:
     def _enqueue(
         self, plan: CopyPlan, stream: torch.cuda.Stream, storages: DeviceStorages | None
     ) -> object:
-        from kvtier_async.kernels.swap_blocks import MIN_JOBS, build_descriptors, launch_swap_blocks
+        from kvtier_async.kernels.swap_blocks import build_descriptors, launch_swap_blocks
 
-        if self._use_triton and len(plan) >= MIN_JOBS:
+        if self.triton_for(plan):
             table = build_descriptors(plan.src, plan.dst, plan.size, pin_memory=True)
             launch_swap_blocks(table, max_size=plan.max_size, device=self._device)
             return table

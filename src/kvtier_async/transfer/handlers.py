@@ -26,12 +26,18 @@ same code that moves the async API's blocks (`kvtier_async.transfer.blocks`):
     Runs its plans with a `CudaPlanCopier`: pooled side streams that wait on the compute
     stream and on the previous transfer, completion through the `EventBridge`, a cancelled
     job waiting (shielded) for its end event before it re-raises. The copy path is chosen
-    once, at construction: when every page is smaller than ``triton_threshold`` (28 KiB by
-    default) and 8-byte aligned and the host slots are pinned, a batch is one launch of the
-    Triton swap-blocks kernel (`kvtier_async.kernels.swap_blocks`; batches of fewer than
-    ``MIN_JOBS`` runs still use the copy engine); otherwise the copy engine moves it, one
-    ``cudaMemcpyAsync`` per merged run (through ctypes on torch's CUDA runtime, after a
-    self-test; else ``Tensor.copy_(non_blocking=True)`` on views).
+    per transfer, from its plan: when the host slots are pinned, every address is 8-byte
+    aligned and Triton is importable, a plan of at least ``MIN_JOBS`` merged runs whose
+    mean length is below ``triton_threshold`` (1 MiB by default) is one launch of the
+    Triton swap-blocks kernel (`kvtier_async.kernels.swap_blocks`); otherwise the copy
+    engine moves it, one ``cudaMemcpyAsync`` per merged run (through ctypes on torch's
+    CUDA runtime, after a self-test; else ``Tensor.copy_(non_blocking=True)`` on views).
+    So scattered blocks go to Triton and blocks that merge into long runs (contiguous ids)
+    to the copy engine, whatever the page size. The threshold is measured: on an H200
+    (``kvtier bench gpu``, 2026-12-04) Triton moved scattered pages of 8 KiB to 512 KiB at
+    1.1-4.6x the copy engine's rate and tied with it at 1 MiB, both ways; a merged run of
+    64 MiB ran at 0.95 of one ``Tensor.copy_`` on the copy engine. (vLLM 0.33 switches
+    by page size at 28 KiB, tuned on an H100.)
 
 Every handler offers ``await transfer(src, dst)`` and a synchronous ``execute(src, dst)``
 for worker threads (the sync vLLM face). Both return a `TransferResult` (bytes moved,
@@ -84,7 +90,7 @@ __all__ = [
 
 log = get_logger(__name__)
 
-DEFAULT_TRITON_THRESHOLD: Final = 28 * 1024
+DEFAULT_TRITON_THRESHOLD: Final = 1 << 20  # mean bytes per merged run (module docstring)
 DEFAULT_INLINE_BYTES: Final = 256 * 1024
 
 Spec = GPUSpec | CPUSpec
@@ -207,10 +213,11 @@ class CudaCopyHandler(TransferHandler):
         bridge: Wakes awaiting jobs when a transfer's end event completes.
         compute_stream: The stream the model writes KV on; default: the current stream of
             the constructing thread (vLLM builds the worker in its model-runner thread).
-        use_triton: Force the Triton kernel for small pages on or off; default: on when the
-            host slots are pinned, Triton is importable, every page is below
-            ``triton_threshold`` and every address is 8-byte aligned.
-        triton_threshold: Page size from which the copy engine is used.
+        use_triton: Force the Triton kernel on (every plan of at least ``MIN_JOBS`` runs,
+            whatever their length) or off; default: allowed when the host slots are
+            pinned, Triton is importable and every address is 8-byte aligned, and then
+            used for the plans whose mean run is shorter than ``triton_threshold``.
+        triton_threshold: Mean bytes per merged run from which the copy engine is used.
         use_cudart: Issue copy-engine runs with ``cudaMemcpyAsync`` through ctypes (when
             its self-test passes) rather than ``Tensor.copy_`` (several us per run more).
     """
@@ -240,7 +247,8 @@ class CudaCopyHandler(TransferHandler):
             to_host=to_host,
             bridge=bridge,
             compute_stream=compute_stream,
-            use_triton=self._choose_triton(use_triton, triton_threshold),
+            use_triton=self._choose_triton(use_triton),
+            triton_below=None if use_triton else triton_threshold,
             use_cudart=use_cudart,
             storages=DeviceStorages([view.tensor for view in kv.views]),
         )
@@ -259,7 +267,13 @@ class CudaCopyHandler(TransferHandler):
 
     @property
     def uses_triton(self) -> bool:
+        """Whether the Triton kernel may run this handler's transfers (`path_for` says
+        which path one takes)."""
         return self._copier.uses_triton
+
+    def path_for(self, src: Spec, dst: Spec) -> str:
+        """The path the transfer ``src -> dst`` takes: ``triton`` or `copy_engine_path`."""
+        return "triton" if self._copier.triton_for(self.plan(src, dst)) else self.copy_engine_path
 
     @property
     def copy_engine_path(self) -> str:
@@ -277,14 +291,13 @@ class CudaCopyHandler(TransferHandler):
         self._copier.close()
         super().close()
 
-    def _choose_triton(self, use_triton: bool | None, threshold: int) -> bool:
+    def _choose_triton(self, use_triton: bool | None) -> bool:
         from kvtier_async.kernels.swap_blocks import triton_available
 
         host = self._live_host()
         aligned = _all_aligned(self._kv, self._layout, host)
-        small = max(self._kv.page_sizes) < threshold
         if use_triton is None:
-            return host.pinned and triton_available() and small and aligned
+            return host.pinned and triton_available() and aligned
         if use_triton and not (host.pinned and triton_available() and aligned):
             raise ValueError(
                 "the Triton path needs pinned host slots, Triton, and 8-byte aligned pages "
