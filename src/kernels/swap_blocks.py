@@ -13,12 +13,14 @@ page. Under ``TRITON_INTERPRET=1`` the same kernel runs on the CPU against CPU b
 Word copies need 8-byte aligned addresses: `launch_swap_blocks` checks them.
 
 Constants, as vLLM 0.33 tuned them on an H100 over PCIe Gen5 (``vllm/v1/kv_offload/cpu/
-swap_blocks_triton.py``); H200 has the same host link, and ``kvtier bench gpu`` re-measures
-the choice of path:
+swap_blocks_triton.py``); ``kvtier bench gpu`` re-measures the choice of path, and on an
+H200 it found Triton ahead of the copy engine on scattered pages up to 512 KiB, so our
+handlers do not use ``THRESHOLD_BYTES``: they choose per transfer by mean run length
+(``kvtier_async.transfer.handlers.DEFAULT_TRITON_THRESHOLD``, 1 MiB):
 
 * ``NUM_PROGRAMS = 12``: the smallest slice of SMs within 5% of peak bandwidth for 8-32 KiB
   pages (more programs only contend for the link).
-* ``THRESHOLD_BYTES = 28 KiB``: above this page size the copy engine wins.
+* ``THRESHOLD_BYTES = 28 KiB``: vLLM's page size from which it uses the copy engine.
 * ``MIN_JOBS = 16``: below this many jobs the launch cost is not amortised; use the copy
   engine.
 
