@@ -6,8 +6,9 @@ completed, without ever blocking the event loop. Two strategies sit behind the o
 ``thread`` (the default)
     One waiter thread per bridge (a bridge per device) takes events in submission order,
     calls ``event.synchronize()`` (which blocks that thread only, GIL released by CUDA) and
-    hands the result back with ``anyio.from_thread.run_sync(..., token=...)``, which sets an
-    `anyio.Event` in the awaiting task's loop. Events are synchronised in order, so one
+    hands the result back without waiting (the loop backend's ``run_sync_soon`` on the
+    task's `anyio.lowlevel.EventLoopToken`), which sets an `anyio.Event` in the awaiting
+    task's loop. Events are synchronised in order, so one
     completing early waits for those queued before it; handlers serialise their transfers
     on the device anyway, so completions arrive in that order.
 ``poll``
@@ -211,6 +212,21 @@ class EventBridge:
             with self._lock:
                 self._waiting -= 1
             try:
-                anyio.from_thread.run_sync(waiter.done.set, token=waiter.token)
+                _wake(waiter)
             except Exception as exc:  # the loop is gone: nobody is waiting any more
                 log.debug("event bridge could not wake a waiter", error=repr(exc))
+
+
+def _wake(waiter: _Waiter) -> None:
+    """Schedule ``waiter.done.set()`` in the waiter's loop without waiting for it to run.
+
+    The thread goes straight on to the next event, so a loop busy in a long callback holds
+    up no other completion; a blocking hand-off (``anyio.from_thread.run_sync``) would, and
+    could wait forever on a loop that ends before running it. Where the backend class
+    lacks ``run_sync_soon`` (anyio before it had one), that blocking hand-off is used."""
+    token = waiter.token
+    schedule = getattr(token.backend_class, "run_sync_soon", None)
+    if schedule is None:
+        anyio.from_thread.run_sync(waiter.done.set, token=token)
+    else:
+        schedule(waiter.done.set, (), token.native_token)
