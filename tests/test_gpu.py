@@ -767,6 +767,39 @@ async def test_tiered_cache_pins_its_region_and_copies_after_the_callers_stream(
             assert bool((out == 0x5A).all()), "the store did not wait for the caller's stream"
 
 
+@gpu_test
+@pytest.mark.anyio
+async def test_tiered_cache_moves_many_small_device_blocks_in_one_triton_launch(
+    shm_path: Path, kernel_launches: LaunchCounter
+) -> None:
+    """32 separate 64 KiB device blocks (32 runs: scattered) go in one Triton launch each
+    way; 4 blocks (fewer than MIN_JOBS) and a misaligned block go to the copy engine; every
+    byte arrives either way."""
+    from kvtier_async.api import TieredKVCache
+
+    block, count = 64 << 10, 32
+    config = {"block_bytes": block, "num_slots": 2 * count, "region_dir": str(shm_path)}
+    with anyio.fail_after(DEADLINE_S):
+        async with TieredKVCache(config) as cache:
+            data = random_bytes(count * block, 41, "cuda").view(torch.uint8).view(count, block)
+            blocks = [data[i].clone() for i in range(count)]  # separate allocations
+            keys = [key(100 + i) for i in range(count)]
+            assert (await cache.store(keys, blocks)).stored == keys
+            assert kernel_launches.launches == 1
+            out = [torch.zeros(block, dtype=torch.uint8, device="cuda") for _ in range(count)]
+            assert await cache.load(keys, out) == count
+            assert kernel_launches.launches == 2
+            assert all(torch.equal(a, b) for a, b in zip(out, blocks, strict=True))
+            few = [key(200 + i) for i in range(4)]
+            assert (await cache.store(few, blocks[:4])).stored == few
+            assert kernel_launches.launches == 2  # too few runs for a launch
+            raw = torch.zeros(count * block + 4, dtype=torch.uint8, device="cuda")
+            odd = [raw[4 + i * block : 4 + (i + 1) * block] for i in range(count)]  # 4 off
+            assert await cache.load(keys, odd) == count
+            assert kernel_launches.launches == 2  # misaligned: the copy engine
+            assert all(torch.equal(a, b) for a, b in zip(odd, blocks, strict=True))
+
+
 # -- the vLLM worker role on CUDA KV caches -------------------------------------------
 
 

@@ -16,7 +16,11 @@ run:
   and on the streams the callers were on, completion awaited through the bridge, a
   cancelled copy waited for (shielded) until its end event completed. The host slots are
   pinned when the region was registered with CUDA (`SharedRegion.register_cuda`, which the
-  cache does at open when CUDA is present).
+  cache does at open when CUDA is present); then a copy of at least ``MIN_JOBS`` blocks
+  shorter than `DEFAULT_TRITON_THRESHOLD` on average, every address 8-byte aligned, is one
+  launch of the Triton swap-blocks kernel (separate blocks are separate runs: on an H200
+  Triton moves scattered 8 KiB-512 KiB runs at 1.0-22x the copy engine's rate), any
+  other on the copy engine.
 
 Either way `copy` returns, or raises, only once nothing of the copy can touch the caller's
 blocks any more.
@@ -32,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .bridge import BridgeStrategy, EventBridge
-from .copier import CudaPlanCopier, DeviceStorages, HostPlanCopier
+from .copier import DEFAULT_TRITON_THRESHOLD, CudaPlanCopier, DeviceStorages, HostPlanCopier
 from .plan import CopyPlan, HostSlots
 
 if TYPE_CHECKING:
@@ -176,14 +180,21 @@ class BlockCopier:
                 self._bridges[device] = bridge
             import torch
 
+            from kvtier_async.kernels.swap_blocks import triton_available
+
+            slots = self._live_slots()
             copier = CudaPlanCopier(
                 device,
-                self._live_slots(),
+                slots,
                 to_host=to_host,
                 bridge=bridge,
                 # the device's default stream, not whatever stream is current on first use;
                 # each copy also waits on the streams its callers were on
                 compute_stream=torch.cuda.default_stream(device),
+                # scattered small blocks in one Triton launch (pinned slots; each plan's
+                # addresses are checked for alignment), long runs on the copy engine
+                use_triton=slots.pinned and triton_available(),
+                triton_below=DEFAULT_TRITON_THRESHOLD,
             )
             self._cuda[(device, to_host)] = copier
         return copier

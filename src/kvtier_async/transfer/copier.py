@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "DEFAULT_TRITON_THRESHOLD",
     "CudaPlanCopier",
     "DeviceStorages",
     "HostPlanCopier",
@@ -183,6 +184,11 @@ class _InFlight:
     keepalive: object  # what the device may still read (a pinned descriptor table)
 
 
+#: Mean bytes per merged run below which a plan of at least ``MIN_JOBS`` runs is one Triton
+#: launch, where Triton may run (measured: `kvtier_async.transfer.handlers`).
+DEFAULT_TRITON_THRESHOLD: Final = 1 << 20
+
+
 def triton_plan(runs: int, total_bytes: int, below: int | None) -> bool:
     """Whether a plan of ``runs`` merged runs moving ``total_bytes`` is one Triton launch
     (where Triton may run): at least ``MIN_JOBS`` runs (fewer do not amortise the launch)
@@ -258,8 +264,11 @@ class CudaPlanCopier:
 
     def triton_for(self, plan: CopyPlan) -> bool:
         """Whether ``plan`` is one Triton launch: Triton allowed, at least ``MIN_JOBS``
-        runs, and runs shorter than ``triton_below`` bytes on average."""
-        return self._use_triton and triton_plan(len(plan), plan.total_bytes, self._triton_below)
+        runs shorter than ``triton_below`` bytes on average, every address and size a
+        multiple of 8 (the kernel copies words)."""
+        if not (self._use_triton and triton_plan(len(plan), plan.total_bytes, self._triton_below)):
+            return False
+        return not bool(((plan.src | plan.dst | plan.size) & 7).any())
 
     @property
     def copy_engine_path(self) -> str:

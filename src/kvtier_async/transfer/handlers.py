@@ -65,6 +65,7 @@ from kvtier_async.ledger import CPUSpec, GPUSpec, Medium
 from .bridge import BridgeStrategy, EventBridge
 from .canonical import CanonicalKV, SlotLayout
 from .copier import (
+    DEFAULT_TRITON_THRESHOLD,
     CudaPlanCopier,
     DeviceStorages,
     HostPlanCopier,
@@ -90,7 +91,6 @@ __all__ = [
 
 log = get_logger(__name__)
 
-DEFAULT_TRITON_THRESHOLD: Final = 1 << 20  # mean bytes per merged run (module docstring)
 DEFAULT_INLINE_BYTES: Final = 256 * 1024
 
 Spec = GPUSpec | CPUSpec
