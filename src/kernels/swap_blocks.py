@@ -16,7 +16,7 @@ Constants, as vLLM 0.33 tuned them on an H100 over PCIe Gen5 (``vllm/v1/kv_offlo
 swap_blocks_triton.py``); ``kvtier bench gpu`` re-measures the choice of path, and on an
 H200 it found Triton ahead of the copy engine on scattered pages up to 512 KiB, so our
 handlers do not use ``THRESHOLD_BYTES``: they choose per transfer by mean run length
-(``kvtier_async.transfer.handlers.DEFAULT_TRITON_THRESHOLD``, 1 MiB):
+(``kvtier_async.transfer.copier.DEFAULT_TRITON_THRESHOLD``, 1 MiB):
 
 * ``NUM_PROGRAMS = 12``: the smallest slice of SMs within 5% of peak bandwidth for 8-32 KiB
   pages (more programs only contend for the link).

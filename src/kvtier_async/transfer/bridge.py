@@ -8,9 +8,9 @@ completed, without ever blocking the event loop. Two strategies sit behind the o
     calls ``event.synchronize()`` (which blocks that thread only, GIL released by CUDA) and
     hands the result back without waiting (the loop backend's ``run_sync_soon`` on the
     task's `anyio.lowlevel.EventLoopToken`), which sets an `anyio.Event` in the awaiting
-    task's loop. Events are synchronised in order, so one
-    completing early waits for those queued before it; handlers serialise their transfers
-    on the device anyway, so completions arrive in that order.
+    task's loop. Events are synchronised in order, so one completing early waits for those
+    queued before it; handlers serialise their transfers on the device anyway, so
+    completions arrive in that order.
 ``poll``
     The awaiting task calls ``event.query()`` and sleeps with exponential backoff between
     queries (``poll_initial_s`` doubling up to ``poll_max_s``). No thread; the price is up to

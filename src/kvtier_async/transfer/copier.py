@@ -212,7 +212,8 @@ class CudaPlanCopier:
             stream of the constructing thread (vLLM builds the worker in its model-runner
             thread).
         use_triton: Let the Triton kernel run plans of at least ``MIN_JOBS`` runs (the
-            caller checked that its pages qualify: pinned host, 8-byte aligned).
+            caller checked that the host slots are pinned; each plan's addresses and sizes
+            are checked here for the kernel's 8-byte words).
         triton_below: With ``use_triton``, the mean bytes per run below which a plan is
             one Triton launch (scattered small runs); a plan of longer runs goes to the
             copy engine. None: every plan of at least ``MIN_JOBS`` runs is a launch.

@@ -34,10 +34,11 @@ same code that moves the async API's blocks (`kvtier_async.transfer.blocks`):
     CUDA runtime, after a self-test; else ``Tensor.copy_(non_blocking=True)`` on views).
     So scattered blocks go to Triton and blocks that merge into long runs (contiguous ids)
     to the copy engine, whatever the page size. The threshold is measured: on an H200
-    (``kvtier bench gpu``, 2026-12-04) Triton moved scattered pages of 8 KiB to 512 KiB at
-    1.1-4.6x the copy engine's rate and tied with it at 1 MiB, both ways; a merged run of
-    64 MiB ran at 0.95 of one ``Tensor.copy_`` on the copy engine. (vLLM 0.33 switches
-    by page size at 28 KiB, tuned on an H100.)
+    (``kvtier bench gpu``, 2026-12-04, four runs) Triton moved scattered pages of 8 KiB
+    to 256 KiB at 1.15-22x the copy engine's rate, tied with it at 512 KiB (0.97-1.12x)
+    and lost from 1 MiB (0.80-1.01x), both ways; a merged run of 64 MiB ran at 0.84-0.95
+    of one ``Tensor.copy_`` on the copy engine. (vLLM 0.33 switches by page size at
+    28 KiB, tuned on an H100.)
 
 Every handler offers ``await transfer(src, dst)`` and a synchronous ``execute(src, dst)``
 for worker threads (the sync vLLM face). Both return a `TransferResult` (bytes moved,
