@@ -393,8 +393,7 @@ def test_triton_runs_plans_of_many_short_runs() -> None:
     threshold on average, the copy engine for fewer runs or longer ones."""
     from kvtier_async.kernels.swap_blocks import MIN_JOBS
 
-    from kvtier_async.transfer.copier import triton_plan
-    from kvtier_async.transfer.handlers import DEFAULT_TRITON_THRESHOLD
+    from kvtier_async.transfer.copier import DEFAULT_TRITON_THRESHOLD, triton_plan
 
     below = DEFAULT_TRITON_THRESHOLD
     assert triton_plan(MIN_JOBS, MIN_JOBS * (below - 1), below)  # scattered short runs

@@ -63,7 +63,7 @@ from kvtier_async.transfer import (
     HostSlots,
     canonicalize,
 )
-from kvtier_async.transfer.handlers import DEFAULT_TRITON_THRESHOLD
+from kvtier_async.transfer.copier import DEFAULT_TRITON_THRESHOLD
 
 from .report import BenchRecord, latency_record, throughput_record
 
