@@ -21,11 +21,9 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
@@ -730,16 +728,6 @@ def test_progress_in_a_log_writes_a_line_per_tenth() -> None:
 
 
 # -- regions ---------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    """A private directory in /dev/shm, so the commands see only this test's regions."""
-    if not SHM.is_dir():
-        pytest.skip("needs /dev/shm")
-    path = Path(tempfile.mkdtemp(prefix="kvtier-ops-test-", dir=SHM))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _region_holder(iid: str, directory: str, rank: int, ready: Event, release: Event) -> None:

@@ -158,27 +158,6 @@ def make_kv(kind: str, device: str, seed: int) -> CanonicalKV:
     return canonicalize(views, groups=groups, num_blocks=NUM_BLOCKS)
 
 
-@pytest.fixture
-def shm_path() -> Iterator[Path]:
-    """A fresh folder on /dev/shm (tmpfs), for the regions the tests pin.
-
-    Linux refuses a long-term pin (``cudaHostRegister``) of a file-backed mapping on a
-    file system that needs dirty-page tracking (6.x kernels: ext4, xfs, overlayfs...), so
-    a region under pytest's tmp_path on disk cannot be pinned; tmpfs and hugetlbfs can be,
-    and /dev/shm is where the CPU tier's region lives by default."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir():
-        pytest.skip("no /dev/shm on this machine")
-    import shutil
-    import tempfile
-
-    directory = Path(tempfile.mkdtemp(prefix="kvtier-gpu-test-", dir=shm))
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
 @contextlib.contextmanager
 def open_region(
     directory: Path, slot_bytes: int, *, pin: bool, num_slots: int = NUM_SLOTS
@@ -343,13 +322,13 @@ def cuda_handlers(
 @pytest.mark.parametrize(("factor", "sizes", "firsts"), CASES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_on_the_host_handlers(
-    shm_path: Path, kind: str, factor: int, sizes: tuple[int, int], firsts: tuple[int, int]
+    shm_dir: Path, kind: str, factor: int, sizes: tuple[int, int], firsts: tuple[int, int]
 ) -> None:
     """The CPU self-check of the round-trip scenario (and its checks) the GPU tests use."""
     if torch is None:
         pytest.skip("torch is not importable")
     kv = make_kv(kind, "cpu", seed=factor)
-    with open_region(shm_path, kv.slot_layout(3).slot_bytes, pin=False) as region:
+    with open_region(shm_dir, kv.slot_layout(3).slot_bytes, pin=False) as region:
         host = HostSlots.from_region(region)
         store, load = (
             HostCopyHandler(kv, host, block_size_factor=factor, to_host=flag)
@@ -365,7 +344,7 @@ def test_round_trip_on_the_host_handlers(
 @pytest.mark.parametrize(("factor", "sizes", "firsts"), CASES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_sync(
-    shm_path: Path,
+    shm_dir: Path,
     kernel_launches: LaunchCounter,
     kind: str,
     factor: int,
@@ -375,7 +354,7 @@ def test_round_trip_sync(
 ) -> None:
     kv = make_kv(kind, "cuda", seed=factor)
     bridge = EventBridge(name="test")
-    with open_region(shm_path, kv.slot_layout(3).slot_bytes, pin=True) as region:
+    with open_region(shm_dir, kv.slot_layout(3).slot_bytes, pin=True) as region:
         store, load = cuda_handlers(kv, region, factor, path, bridge)
         try:
             spec = specs(2, factor, sizes, firsts)
@@ -393,7 +372,7 @@ def test_round_trip_sync(
 @pytest.mark.parametrize(("factor", "sizes", "firsts"), CASES)
 @pytest.mark.parametrize("kind", KINDS)
 async def test_round_trip_async(
-    shm_path: Path,
+    shm_dir: Path,
     kind: str,
     factor: int,
     sizes: tuple[int, int],
@@ -403,7 +382,7 @@ async def test_round_trip_async(
     """Through the router and the event bridge; the default copy path for the page size."""
     kv = make_kv(kind, "cuda", seed=10 + factor)
     gpu, cpu, other = specs(3, factor, sizes, firsts)
-    with open_region(shm_path, kv.slot_layout(3).slot_bytes, pin=True) as region:
+    with open_region(shm_dir, kv.slot_layout(3).slot_bytes, pin=True) as region:
         router = TransferRouter.create(
             kv, region, block_size_factor=factor, bridge_strategy=strategy
         )
@@ -445,7 +424,7 @@ TRITON_CASES = [  # (caches, block_size_factor, group sizes, first block indices
 @gpu_test
 @pytest.mark.parametrize(("make", "factor", "sizes", "firsts"), TRITON_CASES)
 def test_triton_and_copy_engine_give_the_same_bytes(
-    shm_path: Path,
+    shm_dir: Path,
     kernel_launches: LaunchCounter,
     make: Callable[[], CanonicalKV],
     factor: int,
@@ -465,7 +444,7 @@ def test_triton_and_copy_engine_give_the_same_bytes(
     engine_slots, triton_slots = CPUSpec.of(order[:n]), CPUSpec.of(order[n:])
     bridge = EventBridge(name="test")
     slot_bytes = kv.slot_layout(factor).slot_bytes
-    with open_region(shm_path, slot_bytes, pin=True, num_slots=2 * n) as region:
+    with open_region(shm_dir, slot_bytes, pin=True, num_slots=2 * n) as region:
         engine = cuda_handlers(kv, region, factor, "cudaMemcpyAsync", bridge)
         triton = cuda_handlers(kv, region, factor, "triton", bridge)
         try:
@@ -577,12 +556,12 @@ def big_transfer(
 @pytest.mark.parametrize("to_host", [True, False], ids=["store", "load"])
 @pytest.mark.parametrize("strategy", [BridgeStrategy.THREAD, BridgeStrategy.POLL])
 async def test_a_cancelled_copy_writes_nothing_after_it_returns(
-    shm_path: Path, strategy: BridgeStrategy, to_host: bool
+    shm_dir: Path, strategy: BridgeStrategy, to_host: bool
 ) -> None:
     """The copy is queued behind GPU work when its job is cancelled: the job must return
     only after the copy's last write (the destination does not change afterwards, and holds
     the whole source), and raise the cancellation."""
-    with big_transfer(shm_path, to_host, strategy) as (handler, src, dst, destination):
+    with big_transfer(shm_dir, to_host, strategy) as (handler, src, dst, destination):
         torch.cuda.synchronize()
         torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
         returned = []
@@ -625,9 +604,9 @@ def memory_type(address: int) -> int:
 
 
 @gpu_test
-def test_the_region_is_registered_and_unregistered(shm_path: Path) -> None:
+def test_the_region_is_registered_and_unregistered(shm_dir: Path) -> None:
     torch.zeros(1, device="cuda")  # the runtime is loaded and a context exists
-    region = SharedRegion(f"g{uuid.uuid4().hex}", 8, 3 << 20, directory=shm_path)
+    region = SharedRegion(f"g{uuid.uuid4().hex}", 8, 3 << 20, directory=shm_dir)
     first, last = region.slot_address(0), region.slot_address(7) + (3 << 20) - 1
     try:
         assert memory_type(first) != _MEMORY_TYPE_HOST
@@ -661,13 +640,13 @@ def test_a_refused_pin_leaves_no_cuda_error_behind(tmp_path: Path) -> None:
 
 
 @gpu_test
-def test_the_default_path_is_chosen_per_transfer(shm_path: Path) -> None:
+def test_the_default_path_is_chosen_per_transfer(shm_dir: Path) -> None:
     """One default handler: scattered short pages go to Triton, the same pages with
     contiguous ids (one merged run) to the copy engine; scattered 2 MiB pages too."""
     pages = {64 << 10: "triton", 2 << 20: "cudaMemcpyAsync"}
     for page, scattered_path in pages.items():
         kv = single_view_kv(page, 3)
-        with open_region(shm_path, page, pin=True, num_slots=NUM_BLOCKS) as region:
+        with open_region(shm_dir, page, pin=True, num_slots=NUM_BLOCKS) as region:
             bridge = EventBridge(name="paths")
             handler = CudaCopyHandler(
                 kv, HostSlots.from_region(region), to_host=True, bridge=bridge
@@ -703,7 +682,7 @@ def key(i: int) -> bytes:
 @pytest.mark.anyio
 @pytest.mark.parametrize("device", DEVICES)
 async def test_tiered_cache_with_device_blocks_end_to_end(
-    tmp_path: Path, shm_path: Path, device: str
+    tmp_path: Path, shm_dir: Path, device: str
 ) -> None:
     """Store 4 blocks, cascade them to the fs tier, evict them from the 4-slot CPU tier with
     4 others, promote them back with a lookup and load them into zeroed device blocks."""
@@ -713,7 +692,7 @@ async def test_tiered_cache_with_device_blocks_end_to_end(
     config = {
         "block_bytes": block,
         "num_slots": 4,
-        "region_dir": str(shm_path),
+        "region_dir": str(shm_dir),
         "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "fs")}],
     }
     data = random_bytes(8 * block, 11, device).view(torch.uint8).view(8, block)
@@ -740,7 +719,7 @@ async def test_tiered_cache_with_device_blocks_end_to_end(
 @gpu_test
 @pytest.mark.anyio
 async def test_tiered_cache_pins_its_region_and_copies_after_the_callers_stream(
-    shm_path: Path,
+    shm_dir: Path,
 ) -> None:
     """The async API's CUDA path is the transfer package's: the region is registered (pinned)
     at open, and a store waits for the work queued on the stream the caller was on (here a
@@ -748,7 +727,7 @@ async def test_tiered_cache_pins_its_region_and_copies_after_the_callers_stream(
     from kvtier_async.api import TieredKVCache
 
     block = 256 << 10
-    config = {"block_bytes": block, "num_slots": 4, "region_dir": str(shm_path)}
+    config = {"block_bytes": block, "num_slots": 4, "region_dir": str(shm_dir)}
     with anyio.fail_after(DEADLINE_S):
         async with TieredKVCache(config) as cache:
             assert cache._region is not None and cache._region.is_cuda_registered
@@ -770,7 +749,7 @@ async def test_tiered_cache_pins_its_region_and_copies_after_the_callers_stream(
 @gpu_test
 @pytest.mark.anyio
 async def test_tiered_cache_moves_many_small_device_blocks_in_one_triton_launch(
-    shm_path: Path, kernel_launches: LaunchCounter
+    shm_dir: Path, kernel_launches: LaunchCounter
 ) -> None:
     """32 separate 64 KiB device blocks (32 runs: scattered) go in one Triton launch each
     way; 4 blocks (fewer than MIN_JOBS) and a misaligned block go to the copy engine; every
@@ -778,7 +757,7 @@ async def test_tiered_cache_moves_many_small_device_blocks_in_one_triton_launch(
     from kvtier_async.api import TieredKVCache
 
     block, count = 64 << 10, 32
-    config = {"block_bytes": block, "num_slots": 2 * count, "region_dir": str(shm_path)}
+    config = {"block_bytes": block, "num_slots": 2 * count, "region_dir": str(shm_dir)}
     with anyio.fail_after(DEADLINE_S):
         async with TieredKVCache(config) as cache:
             data = random_bytes(count * block, 41, "cuda").view(torch.uint8).view(count, block)
@@ -894,7 +873,7 @@ def worker_caches(device: str) -> dict[str, torch.Tensor]:
 
 
 def worker_configs(
-    spec_cls: Any, device: str, block_size: int, shm_path: Path, copies: str
+    spec_cls: Any, device: str, block_size: int, shm_dir: Path, copies: str
 ) -> tuple[Any, Any, dict[str, Any]]:
     """vLLM's config objects, as far as the worker role reads them, and the extra config."""
     spec = spec_cls(
@@ -918,7 +897,7 @@ def worker_configs(
         "spec_name": "CPUOffloadingSpec",
         "cpu_bytes_to_use": 16 * (block_size // GPU_BLOCK_TOKENS) * 2 * spec.page_size_bytes,
         "block_size": block_size,
-        "region_dir": str(shm_path),
+        "region_dir": str(shm_dir),
         "worker_copies": copies,
         "wait_timeout_s": DEADLINE_S,
     }
@@ -941,7 +920,7 @@ def runner_step(worker: Any, meta: Any) -> tuple[set[str], set[int], dict[int, i
 @pytest.mark.parametrize("copies", ["engine", "inline"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_worker_role_stores_and_loads_in_the_runners_order(
-    shm_path: Path, worker_role: tuple[types.ModuleType, Any], device: str, copies: str
+    shm_dir: Path, worker_role: tuple[types.ModuleType, Any], device: str, copies: str
 ) -> None:
     """Offloaded blocks of 2 GPU blocks, the first one unaligned: step 1 asks for a store,
     which the worker defers to step 2's start; step 2 flushes it (its blocks are about to
@@ -952,7 +931,7 @@ def test_the_worker_role_stores_and_loads_in_the_runners_order(
     from kvtier_async.integrations.vllm.metadata import DeviceJob, KVTierMetadata
 
     vllm_config, kv_cache_config, extra = worker_configs(
-        spec_cls, device, 2 * GPU_BLOCK_TOKENS, shm_path, copies
+        spec_cls, device, 2 * GPU_BLOCK_TOKENS, shm_dir, copies
     )
     worker = worker_module.ConnectorWorker(
         vllm_config, kv_cache_config, ConnectorConfig.from_extra_config(extra)
@@ -992,7 +971,7 @@ def test_the_worker_role_stores_and_loads_in_the_runners_order(
             assert [is_store for is_store, _ in worker.metrics.copies] == [True, False]
     finally:
         worker.shutdown()
-    assert not list(shm_path.iterdir()), "the worker left its region file behind"
+    assert not list(shm_dir.iterdir()), "the worker left its region file behind"
 
 
 # -- kvtier bench gpu -------------------------------------------------------------------

@@ -29,7 +29,17 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kvtier_async", "_log", "_native", "_cudart", "_safefile", "_beneath", "_extras", "config"),
+    (
+        "kvtier_async",
+        "_log",
+        "_native",
+        "_cudart",
+        "_safefile",
+        "_beneath",
+        "_extras",
+        "_mounts",
+        "config",
+    ),
     ("ledger", "memory", "events"),
     ("engine",),
     ("tiers", "transfer", "kernels"),

@@ -884,12 +884,12 @@ def test_page_size_matches_mmap() -> None:
 
 def test_the_file_system_of_a_path_is_named_for_the_pin_warning(tmp_path: Path) -> None:
     """A refused pin's warning names the file system (tmpfs pins; disk file systems may not)."""
-    from kvtier_async.memory.region import _file_system
+    from kvtier_async._mounts import mount
 
     mounts = Path("/proc/self/mounts").read_text().split("\n")
     shm = [line.split()[2] for line in mounts if line.split()[1:2] == ["/dev/shm"]]
     if shm:
-        assert _file_system(Path("/dev/shm/kvtier-x")) == shm[0]
+        assert mount(Path("/dev/shm/kvtier-x"))[1] == shm[-1]
     root = [line.split()[2] for line in mounts if line.split()[1:2] == ["/"]]
-    assert _file_system(Path("/")) == root[-1]
-    assert _file_system(tmp_path) != "?"
+    assert mount(Path("/"))[1] == root[-1]
+    assert mount(tmp_path)[1] != "unknown"

@@ -22,6 +22,7 @@ from typing import Any
 
 import anyio
 
+from kvtier_async._mounts import mount
 from kvtier_async.memory import SharedRegion
 from kvtier_async.tiers.base import TierContext
 from kvtier_async.tiers.fs import DEFAULT_READ_WORKERS, DEFAULT_WRITE_WORKERS, FsTier
@@ -282,17 +283,3 @@ def size_label(block_bytes: int) -> str:
 def fs_type(path: str) -> str:
     """The file system type of the mount holding ``path``."""
     return mount(path)[1]
-
-
-def mount(path: str) -> tuple[str, str]:
-    """``(device name, file system type)`` of the mount holding ``path`` (/proc/self/mounts)."""
-    best, found = "", ("unknown", "unknown")
-    real = os.path.realpath(path)
-    with contextlib.suppress(OSError), open("/proc/self/mounts") as mounts:
-        for line in mounts:
-            fields = line.split()
-            point = fields[1]
-            inside = real == point or real.startswith(point.rstrip("/") + "/")
-            if inside and len(point) >= len(best):
-                best, found = point, (os.path.basename(fields[0]), fields[2])
-    return found

@@ -63,6 +63,7 @@ import numpy.typing as npt
 
 from kvtier_async._cudart import clear_last_error, runtime
 from kvtier_async._log import get_logger
+from kvtier_async._mounts import mount
 from kvtier_async.memory import _reaper
 from kvtier_async.memory._create import Layout, Role, claim, open_region
 from kvtier_async.memory._files import check_instance_id, region_path, unlink_region
@@ -309,7 +310,7 @@ class SharedRegion:
                 "cudaHostRegister failed; copies will use pageable memory",
                 path=str(self._path),
                 code=code,
-                file_system=_file_system(self._path),
+                file_system=mount(self._path)[1],
                 hint=_PIN_HINT,
             )
             return False
@@ -408,25 +409,6 @@ class SharedRegion:
 
 
 # -- closing -------------------------------------------------------------------
-
-
-def _file_system(path: Path) -> str:
-    """The type of the file system holding ``path`` (``tmpfs``, ``ext4``...), or ``?``."""
-    try:
-        mounts = Path("/proc/self/mounts").read_text()
-    except OSError:
-        return "?"
-    best, kind = "", "?"
-    target = str(path)
-    for line in mounts.splitlines():
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):  # a later mount on the same point hides earlier ones
-            best, kind = point, fields[2]
-    return kind
 
 
 def close_region(region: SharedRegion) -> bool:

@@ -290,11 +290,12 @@ class CudaPlanCopier:
     ) -> TransferResult:
         """Enqueue ``plan`` (after the compute stream and the streams ``after``) and await
         its completion; a cancelled transfer returns only after its copy ended."""
-        if len(plan) <= _INLINE_MAX_RUNS or self.triton_for(plan):
-            flight = self._submit(plan, after, storages)
+        triton = self.triton_for(plan)
+        if triton or len(plan) <= _INLINE_MAX_RUNS:  # one launch, or a few runs: inline
+            flight = self._submit(plan, after, storages, triton)
         else:
             with anyio.CancelScope(shield=True):  # what is enqueued must be awaited below
-                flight = await anyio.to_thread.run_sync(self._submit, plan, after, storages)
+                flight = await anyio.to_thread.run_sync(self._submit, plan, after, storages, triton)
         try:
             await self._bridge.wait(flight.end)
         except anyio.get_cancelled_exc_class():
@@ -314,7 +315,7 @@ class CudaPlanCopier:
         storages: DeviceStorages | None = None,
     ) -> TransferResult:
         """`transfer`, blocking the calling (worker) thread."""
-        flight = self._submit(plan, after, storages)
+        flight = self._submit(plan, after, storages, self.triton_for(plan))
         try:
             flight.end.synchronize()
         except Exception as exc:
@@ -335,8 +336,14 @@ class CudaPlanCopier:
     # -- internals --------------------------------------------------------------------
 
     def _submit(
-        self, plan: CopyPlan, after: Sequence[torch.cuda.Stream], storages: DeviceStorages | None
+        self,
+        plan: CopyPlan,
+        after: Sequence[torch.cuda.Stream],
+        storages: DeviceStorages | None,
+        triton: bool,
     ) -> _InFlight:
+        """Enqueue ``plan`` on a pooled stream: one Triton launch if ``triton`` (decided by
+        `triton_for`), else the copy engine."""
         import torch
 
         with self._lock:
@@ -352,7 +359,7 @@ class CudaPlanCopier:
             with torch.cuda.device(self._device), torch.cuda.stream(stream):
                 start.record(stream)
                 try:
-                    keepalive = self._enqueue(plan, stream, storages or self._storages)
+                    keepalive = self._enqueue(plan, stream, storages or self._storages, triton)
                 except Exception as exc:
                     end.record(stream)
                     self._last_end = end
@@ -363,11 +370,15 @@ class CudaPlanCopier:
         return _InFlight(stream, start, end, plan.total_bytes, keepalive)
 
     def _enqueue(
-        self, plan: CopyPlan, stream: torch.cuda.Stream, storages: DeviceStorages | None
+        self,
+        plan: CopyPlan,
+        stream: torch.cuda.Stream,
+        storages: DeviceStorages | None,
+        triton: bool,
     ) -> object:
         from kvtier_async.kernels.swap_blocks import build_descriptors, launch_swap_blocks
 
-        if self.triton_for(plan):
+        if triton:
             table = build_descriptors(plan.src, plan.dst, plan.size, pin_memory=True)
             launch_swap_blocks(table, max_size=plan.max_size, device=self._device)
             return table
