@@ -30,7 +30,12 @@ awaiting `EventBridge.wait` in an anyio loop (each strategy; asyncio, and trio w
 installed). Reference: a bare ``torch.cuda.Event.synchronize()`` in a waiting thread. p50
 and p99 over `BRIDGE_ROUNDS` rounds (no target: the ratio shows the cost of the hand-off
 to the loop), and the p99 against the 100 us budget (`BRIDGE_P99_BUDGET_US`, a fixed
-figure, not a measurement: target 1.0).
+figure, not a measurement: target 1.0). The *loop floor* is measured the same way: the bare
+``synchronize()`` in a waiting thread, then the backend's own cross-thread wake of a task
+(asyncio's ``call_soon_threadsafe`` setting a future, trio's ``run_sync_soon``), no anyio and
+no bridge: what any thread-based design pays at least. Its p99 is shown against the budget
+(no target: it is the platform's) and the bridge's p99 against it (no target: the ratio is
+what the bridge adds).
 
 Times are best of `REPEATS` runs (each synchronised); other load on the machine only adds
 time. ``quick`` measures fewer sizes and rounds, and gives no verdict (no targets, no
@@ -39,6 +44,7 @@ crossover): too few samples to support one.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import queue
@@ -86,6 +92,7 @@ FASTER = "the faster of Triton and the copy engine at this size, measured above"
 THRESHOLD = "today's DEFAULT_TRITON_THRESHOLD"
 SYNCHRONIZE = "bare torch.cuda.Event.synchronize() in a waiting thread"
 BUDGET = "the 100 us budget (a fixed figure)"
+FLOOR = "the loop floor: bare synchronize, then the loop's own cross-thread wake"
 
 
 def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRecord]:
@@ -376,6 +383,58 @@ def _reference_wakes(rounds: int) -> list[float]:
     return samples
 
 
+def _floor_wakes(backend: str, rounds: int) -> list[float]:
+    """The loop's own floor: the same bare ``synchronize()`` in a waiting thread, which then
+    wakes a task through the backend's native cross-thread call (asyncio's
+    ``call_soon_threadsafe`` setting a future, trio's ``run_sync_soon`` setting a
+    ``trio.Event``), no anyio and no bridge. What a thread-based design cannot go below."""
+    requests: queue.SimpleQueue[tuple[Any, Callable[[], object]] | None] = queue.SimpleQueue()
+
+    def waiter() -> None:
+        while (item := requests.get()) is not None:
+            event, wake = item
+            event.synchronize()
+            wake()
+
+    thread = threading.Thread(target=waiter, name="kvtier-bench-floor", daemon=True)
+    thread.start()
+    try:
+        if backend == "trio":
+            import trio
+
+            async def on_trio() -> list[float]:
+                token = trio.lowlevel.current_trio_token()
+                samples = []
+                for _ in range(rounds):
+                    start, end, launched = _launch()
+                    done = trio.Event()
+                    requests.put((end, functools.partial(token.run_sync_soon, done.set)))
+                    with trio.fail_after(10.0):
+                        await done.wait()
+                    samples.append(_wake_us(start, end, launched, time.perf_counter()))
+                return samples
+
+            return trio.run(on_trio)
+
+        async def on_asyncio() -> list[float]:
+            loop = asyncio.get_running_loop()
+            samples = []
+            for _ in range(rounds):
+                start, end, launched = _launch()
+                future: asyncio.Future[None] = loop.create_future()
+                wake = functools.partial(loop.call_soon_threadsafe, future.set_result, None)
+                requests.put((end, wake))
+                async with asyncio.timeout(10.0):
+                    await future
+                samples.append(_wake_us(start, end, launched, time.perf_counter()))
+            return samples
+
+        return asyncio.run(on_asyncio())
+    finally:
+        requests.put(None)
+        thread.join(10.0)
+
+
 def _bridge_wakes(strategy: BridgeStrategy, backend: str, rounds: int) -> list[float]:
     import anyio
 
@@ -415,6 +474,22 @@ def _bridge_cases(settings: _Settings, say: Callable[[str], None]) -> list[Bench
     say(f"gpu: bare synchronize in a thread: wake p50 {ref50:.1f} us, p99 {ref99:.1f} us")
     records = []
     for backend in _backends():
+        floor = _floor_wakes(backend, settings.rounds)
+        floor50, floor99 = percentile(floor, 50), percentile(floor, 99)
+        say(f"gpu: loop floor ({backend}): wake p50 {floor50:.1f} us, p99 {floor99:.1f} us")
+        records += [
+            latency_record(
+                "gpu", f"loop floor ({backend}) p{q}", "wake_us", value, reference=ref,
+                reference_name=SYNCHRONIZE, unit="us",
+            )
+            for q, value, ref in ((50, floor50, ref50), (99, floor99, ref99))
+        ]  # fmt: skip
+        records.append(
+            latency_record(
+                "gpu", f"loop floor ({backend}) p99 budget", "wake_us", floor99,
+                reference=BRIDGE_P99_BUDGET_US, reference_name=BUDGET, unit="us",
+            )
+        )  # fmt: skip
         for strategy in (BridgeStrategy.THREAD, BridgeStrategy.POLL):
             ours = _bridge_wakes(strategy, backend, settings.rounds)
             p50, p99 = percentile(ours, 50), percentile(ours, 99)
@@ -424,6 +499,10 @@ def _bridge_cases(settings: _Settings, say: Callable[[str], None]) -> list[Bench
                 latency_record(
                     "gpu", f"{case} p50", "wake_us", p50, reference=ref50,
                     reference_name=SYNCHRONIZE, unit="us",
+                ),
+                latency_record(
+                    "gpu", f"{case} p99 vs floor", "wake_us", p99, reference=floor99,
+                    reference_name=f"{FLOOR} ({backend})", unit="us",
                 ),
                 latency_record(
                     "gpu", f"{case} p99", "wake_us", p99, reference=ref99,
