@@ -1017,6 +1017,8 @@ def test_a_quick_benchmark_measures_everything_and_gives_no_verdict() -> None:
     cases = [r.case for r in records]
     assert len([c for c in cases if "scattered triton" in c]) == 2 * len(QUICK_PAGE_SIZES)
     assert len([c for c in cases if c.startswith("bridge ")]) >= 6
+    latencies = [c for c in cases if c.startswith("latency ")]
+    assert len(latencies) == 2 * 3 * 2  # each way, 1/16/128 blocks, awaited and blocking
     floors = [c for c in cases if c.startswith("loop floor ")]
     assert len(floors) >= 3 and "loop floor (asyncio) p99 budget" in floors
     assert not [c for c in cases if "crossover" in c]

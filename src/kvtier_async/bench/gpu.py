@@ -26,16 +26,24 @@ timing events), an event recorded after it, then the wait; the wake latency is t
 from just before the launch to the waiter's wake-up, less the GPU work's own duration (the
 events' elapsed time): the waiter's delay plus the launch's few microseconds, the same in
 ours and the reference (floored at `MIN_WAKE_US`, the events' resolution). Ours: a task
-awaiting `EventBridge.wait` in an anyio loop (each strategy; asyncio, and trio when it is
-installed). Reference: a bare ``torch.cuda.Event.synchronize()`` in a waiting thread. p50
-and p99 over `BRIDGE_ROUNDS` rounds (no target: the ratio shows the cost of the hand-off
-to the loop), and the p99 against the 100 us budget (`BRIDGE_P99_BUDGET_US`, a fixed
+awaiting `EventBridge.wait` in an anyio loop (each strategy; asyncio, and when they are
+installed, asyncio on uvloop's loop, as vLLM's API server runs it, and trio). Reference: a
+bare ``torch.cuda.Event.synchronize()`` in a waiting thread. p50 and p99 over
+`BRIDGE_ROUNDS` rounds (no target: the ratio shows the cost of the hand-off to the loop),
+and the p99 against the 100 us budget (`BRIDGE_P99_BUDGET_US`, a fixed
 figure, not a measurement: target 1.0). The *loop floor* is measured the same way: the bare
 ``synchronize()`` in a waiting thread, then the backend's own cross-thread wake of a task
 (asyncio's ``call_soon_threadsafe`` setting a future, trio's ``run_sync_soon``), no anyio and
 no bridge: what any thread-based design pays at least. Its p99 is shown against the budget
 (no target: it is the platform's) and the bridge's p99 against it (no target: the ratio is
 what the bridge adds).
+
+*One transfer's latency.* Small transfers one at a time, as a request's load waits for
+them: 1, 16 and 128 scattered blocks of 256 KiB (`LATENCY_BLOCKS`, `LATENCY_PAGE`) each
+way through a default `CudaCopyHandler`, ``transfer`` awaited in an asyncio loop (through
+the bridge) and the blocking ``execute``, against one ``Tensor.copy_`` of the same bytes
+followed by ``torch.cuda.synchronize()``, rounds interleaved, p50 (no target: the ratio
+shows what a transfer costs beside moving its bytes).
 
 Times are best of `REPEATS` runs (each synchronised); other load on the machine only adds
 time. ``quick`` measures fewer sizes and rounds, and gives no verdict (no targets, no
@@ -46,6 +54,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
+import itertools
 import math
 import queue
 import threading
@@ -85,6 +95,9 @@ CHOICE_TARGET = 0.95
 BRIDGE_ROUNDS, QUICK_BRIDGE_ROUNDS = 1000, 50
 BRIDGE_SLEEP_CYCLES = 200_000  # ~0.1 ms at ~2 GHz: the waiter is parked before completion
 BRIDGE_P99_BUDGET_US = 100.0
+UVLOOP = "asyncio+uvloop"
+LATENCY_PAGE = 256 * KIB
+LATENCY_BLOCKS = (1, 16, 128)
 MIN_WAKE_US = 0.5  # CUDA events time to about half a microsecond
 CONTIGUOUS = "one Tensor.copy_ of the same bytes, same pinned region and device"
 COPY_ENGINE = "copy engine (cudaMemcpyAsync runs) on the same blocks"
@@ -92,6 +105,7 @@ FASTER = "the faster of Triton and the copy engine at this size, measured above"
 THRESHOLD = "today's DEFAULT_TRITON_THRESHOLD"
 SYNCHRONIZE = "bare torch.cuda.Event.synchronize() in a waiting thread"
 BUDGET = "the 100 us budget (a fixed figure)"
+ONE_COPY = "one Tensor.copy_ of the same bytes, then torch.cuda.synchronize()"
 FLOOR = "the loop floor: bare synchronize, then the loop's own cross-thread wake"
 
 
@@ -124,6 +138,7 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
         say("gpu: quick run: no crossover (too few page sizes), no verdicts")
     else:
         records += [_crossover_record(name, speeds, say) for name, speeds in measured.items()]
+    records += _latency_cases(settings, say)
     records += _bridge_cases(settings, say)
     return records
 
@@ -327,6 +342,95 @@ def _crossover_record(
     )
 
 
+# -- one transfer's latency ----------------------------------------------------------
+
+
+def _latency_cases(settings: _Settings, say: Callable[[str], None]) -> list[BenchRecord]:
+    """Small transfers, one at a time, as a load for one request waits for them: p50 over
+    rounds of the time from the call to its return, ours through `CudaCopyHandler` (its
+    default path; ``transfer`` awaited in an asyncio loop through the bridge, and the
+    blocking ``execute``) against one ``Tensor.copy_`` of the same bytes followed by
+    ``torch.cuda.synchronize()``, the rounds interleaved. No target: what a transfer costs
+    beside its bytes (planning, the side stream, the wake-up)."""
+    import torch
+
+    rounds = settings.rounds if settings.quick else settings.rounds // 4
+    page, most = LATENCY_PAGE, max(LATENCY_BLOCKS)
+    records: list[BenchRecord] = []
+    with _pinned_region(2 * most, page) as region:
+        cache = torch.randint(0, 256, (2 * most, page), dtype=torch.uint8, device="cuda")
+        kv = canonicalize({"cache": cache})
+        host = HostSlots.from_region(region)
+        rng = np.random.default_rng(7)
+        bridge = EventBridge(name="bench-latency")
+        try:
+            for to_host, blocks in itertools.product((True, False), LATENCY_BLOCKS):
+                gpu = GPUSpec.of(rng.permutation(2 * most)[:blocks])
+                cpu = CPUSpec.of(rng.permutation(2 * most)[:blocks])
+                handler = CudaCopyHandler(kv, host, to_host=to_host, bridge=bridge)
+                try:
+                    specs = (gpu, cpu) if to_host else (cpu, gpu)
+                    path = handler.path_for(*specs)
+                    device_flat = cache.view(-1)[: blocks * page]
+                    host_flat = host.flat()[: blocks * page]
+                    samples = _latency_rounds(
+                        handler, specs, (device_flat, host_flat) if to_host else
+                        (host_flat, device_flat), rounds,
+                    )  # fmt: skip
+                finally:
+                    handler.close()
+                case = f"{_direction(to_host)} {blocks} x {_size(page)} ({path})"
+                ref50 = percentile(samples["bare"], 50)
+                for how in ("awaited", "blocking"):
+                    p50 = percentile(samples[how], 50)
+                    say(f"gpu: latency {case} {how}: p50 {p50:.1f} us, one copy {ref50:.1f} us")
+                    records.append(
+                        latency_record(
+                            "gpu", f"latency {case} {how} p50", "us", p50, reference=ref50,
+                            reference_name=ONE_COPY, unit="us",
+                        )
+                    )  # fmt: skip
+        finally:
+            bridge.close()
+    return records
+
+
+def _latency_rounds(
+    handler: CudaCopyHandler, specs: tuple[Any, Any], flats: tuple[Any, Any], rounds: int
+) -> dict[str, list[float]]:
+    """``rounds`` interleaved rounds of the three ways to move the same bytes (microseconds
+    from the call to its return): ``awaited`` (``transfer`` in an asyncio loop), ``blocking``
+    (``execute``) and ``bare`` (``Tensor.copy_`` of ``flats``, source to destination, then a
+    device synchronize)."""
+    import anyio
+    import torch
+
+    src, dst = flats
+
+    def bare() -> None:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    async def measure() -> dict[str, list[float]]:
+        samples: dict[str, list[float]] = {"awaited": [], "blocking": [], "bare": []}
+        for _ in range(rounds):
+            began = time.perf_counter()
+            with anyio.fail_after(10.0):
+                await handler.transfer(*specs)
+            samples["awaited"].append((time.perf_counter() - began) * 1e6)
+            began = time.perf_counter()
+            handler.execute(*specs)
+            samples["blocking"].append((time.perf_counter() - began) * 1e6)
+            began = time.perf_counter()
+            bare()
+            samples["bare"].append((time.perf_counter() - began) * 1e6)
+        return samples
+
+    bare()
+    handler.execute(*specs)  # warm up: the kernel, the streams
+    return anyio.run(measure, backend="asyncio")
+
+
 # -- the event bridge ---------------------------------------------------------------
 
 
@@ -429,6 +533,11 @@ def _floor_wakes(backend: str, rounds: int) -> list[float]:
                 samples.append(_wake_us(start, end, launched, time.perf_counter()))
             return samples
 
+        if backend == UVLOOP:
+            import uvloop
+
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                return runner.run(on_asyncio())
         return asyncio.run(on_asyncio())
     finally:
         requests.put(None)
@@ -450,6 +559,8 @@ def _bridge_wakes(strategy: BridgeStrategy, backend: str, rounds: int) -> list[f
         return samples
 
     try:
+        if backend == UVLOOP:
+            return anyio.run(measure, backend="asyncio", backend_options={"use_uvloop": True})
         return anyio.run(measure, backend=backend)
     finally:
         bridge.close()
@@ -457,11 +568,16 @@ def _bridge_wakes(strategy: BridgeStrategy, backend: str, rounds: int) -> list[f
 
 
 def _backends() -> list[str]:
-    try:
-        import trio  # noqa: F401
-    except ImportError:
-        return ["asyncio"]
-    return ["asyncio", "trio"]
+    """asyncio; asyncio on uvloop's loop (as vLLM's API server runs) and trio when they are
+    installed."""
+    found = ["asyncio"]
+    for name, module in ((UVLOOP, "uvloop"), ("trio", "trio")):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            continue
+        found.append(name)
+    return found
 
 
 def _bridge_cases(settings: _Settings, say: Callable[[str], None]) -> list[BenchRecord]:
