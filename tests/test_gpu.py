@@ -280,15 +280,16 @@ class LaunchCounter:
 
 @pytest.fixture
 def kernel_launches(monkeypatch: pytest.MonkeyPatch) -> LaunchCounter:
-    """Counts launches of the Triton swap-blocks kernel (the handlers import it per batch)."""
+    """Counts launches of the Triton swap-blocks kernel (the copiers import
+    ``launch_device_table`` per batch; ``launch_swap_blocks`` goes through it too)."""
     swap_blocks = importlib.import_module("kvtier_async.kernels.swap_blocks")
-    counter, launch = LaunchCounter(), swap_blocks.launch_swap_blocks
+    counter, launch = LaunchCounter(), swap_blocks.launch_device_table
 
     def counted(*args: Any, **kwargs: Any) -> None:
         counter.launches += 1
         launch(*args, **kwargs)
 
-    monkeypatch.setattr(swap_blocks, "launch_swap_blocks", counted)
+    monkeypatch.setattr(swap_blocks, "launch_device_table", counted)
     return counter
 
 
@@ -470,6 +471,48 @@ def test_triton_and_copy_engine_give_the_same_bytes(
                 handler.close()
             bridge.close()
     assert kernel_launches.launches == 2
+
+
+@gpu_test
+@pytest.mark.anyio
+async def test_triton_transfers_in_flight_at_once_keep_their_own_tables(
+    shm_dir: Path, kernel_launches: LaunchCounter
+) -> None:
+    """Triton transfers of different sizes enqueued before any has ended (each one's
+    descriptor table staged in pinned rows of its own, the device table reused and grown
+    under them), then awaited: every slot holds its own block's bytes, and the staging rows
+    come back to the pool."""
+    page = 64 << 10
+    kv = single_view_kv(page, 21)
+    rng = np.random.default_rng(21)
+    sizes = [20, 40, 24, 300, 28, 20, 700, 32]  # 700 jobs: the device table grows mid-way
+    blocks = rng.integers(0, NUM_BLOCKS, sum(sizes))  # (a block may go to several slots)
+    slots = rng.permutation(sum(sizes))
+    jobs, at = [], 0
+    for size in sizes:
+        jobs.append((GPUSpec.of(blocks[at : at + size]), CPUSpec.of(slots[at : at + size])))
+        at += size
+    bridge = EventBridge(name="test")
+    with open_region(shm_dir, page, pin=True, num_slots=sum(sizes)) as region:
+        store = CudaCopyHandler(kv, HostSlots.from_region(region), to_host=True, bridge=bridge)
+        try:
+            assert all(store.path_for(gpu, cpu) == "triton" for gpu, cpu in jobs)
+            torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+            copier = store.copier
+            flights = [
+                copier._submit(p, (), None, True, p.total_bytes)
+                for p in (store.plan(gpu, cpu) for gpu, cpu in jobs)
+            ]
+            assert not flights[-1].end.query()  # all enqueued behind the sleep
+            for flight in flights:
+                await bridge.wait(flight.end)
+                copier._finish(flight)
+            check_slots(kv, region.numpy().copy(), 1, GPUSpec.of(blocks), CPUSpec.of(slots))
+            assert len(copier._staging) == len(sizes)  # every table's rows back in the pool
+        finally:
+            store.close()
+            bridge.close()
+    assert kernel_launches.launches == len(sizes)
 
 
 # -- the event bridge on real CUDA events --------------------------------------------

@@ -30,6 +30,7 @@ CASES = [
     "chunk-smaller-than-jobs",
     "scattered-destinations",
     "descriptors-from-specs",
+    "reused-table",
 ]
 
 
@@ -99,7 +100,40 @@ def _child() -> dict[str, dict[str, Any]]:
     run("chunk-smaller-than-jobs", [9000, 20000, 4096], programs=2, gap=0, max_size=64)
     run("scattered-destinations", SIZES[::-1], programs=5, gap=16, reverse=True)
     report["descriptors-from-specs"] = _from_specs(rng)
+    report["reused-table"] = _reused_table(rng)
     return report
+
+
+def _reused_table(rng: np.random.Generator) -> dict[str, Any]:
+    """`launch_device_table` as the CUDA copier uses it: one table reused, the jobs of each
+    launch its first ``3 * n`` values, a longer earlier table's values after them. Only
+    this launch's jobs are copied."""
+    import torch
+    from kvtier_async.kernels.swap_blocks import launch_device_table
+
+    src = torch.from_numpy(rng.integers(0, 256, 64 * 1024, dtype=np.uint8))
+    dst = torch.full_like(src, GUARD)
+    table = torch.zeros(1024, dtype=torch.int64)
+
+    def fill(offsets: list[int], size: int) -> int:
+        jobs = len(offsets)
+        table[:jobs] = torch.tensor([src.data_ptr() + o for o in offsets])
+        table[jobs : 2 * jobs] = torch.tensor([dst.data_ptr() + o for o in offsets])
+        table[2 * jobs : 3 * jobs] = size
+        return jobs
+
+    first = [o * 4096 for o in range(8)]  # eight jobs of 1000 bytes
+    launch_device_table(table, fill(first, 1000), max_size=1000)
+    if not torch.equal(dst[:1000], src[:1000]):
+        return {"ok": False, "detail": "the first launch copied wrong bytes"}
+    dst.fill_(GUARD)
+    second = [40960 + o * 8 for o in range(3)]  # three jobs of 8 bytes, back to back
+    launch_device_table(table, fill(second, 8), max_size=8)
+    expected = torch.full_like(dst, GUARD)
+    expected[40960 : 40960 + 24] = src[40960 : 40960 + 24]
+    bad = torch.nonzero(expected != dst).flatten()
+    ok = len(bad) == 0
+    return {"ok": ok, "detail": "" if ok else f"{len(bad)} wrong bytes, first at {bad[:5]}"}
 
 
 def _from_specs(rng: np.random.Generator) -> dict[str, Any]:

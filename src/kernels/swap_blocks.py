@@ -45,6 +45,7 @@ __all__ = [
     "THRESHOLD_BYTES",
     "build_descriptors",
     "chunk_bytes_for",
+    "launch_device_table",
     "launch_swap_blocks",
     "triton_available",
 ]
@@ -169,5 +170,27 @@ def launch_swap_blocks(
     table: Any = descriptors
     if device is not None and str(device) != "cpu":
         table = descriptors.to(device, non_blocking=True)
+    launch_device_table(table, n_jobs, max_size=max_size, num_programs=num_programs)
+
+
+def launch_device_table(
+    table: torch.Tensor, n_jobs: int, *, max_size: int, num_programs: int = NUM_PROGRAMS
+) -> None:
+    """Launch the kernel on the current stream for a table where the kernel runs already
+    (device memory; the CPU under ``TRITON_INTERPRET=1``): int64, its first ``3 * n_jobs``
+    values the rows of `build_descriptors` back to back (sources, destinations, sizes),
+    each address and size a multiple of 8 (not checked here). The transfer copier writes
+    its tables this way, into one device table it reuses, with no allocation per launch.
+
+    Args:
+        table: The descriptor values (more than ``3 * n_jobs`` may follow; unread).
+        n_jobs: Jobs to run.
+        max_size: The largest job's bytes, to size chunks.
+        num_programs: Programs in the persistent grid (at most one per job).
+    """
+    if triton is None:
+        raise RuntimeError("Triton is not installed; the swap-blocks kernel cannot run")
+    if n_jobs <= 0:
+        return
     grid = (max(1, min(num_programs, n_jobs)),)
     _swap_blocks_kernel[grid](table, n_jobs, BYTES_PER_CHUNK=chunk_bytes_for(max_size))

@@ -22,7 +22,12 @@ triples; the copier that runs it is chosen by where the device memory lives:
     writing; a load must not race pending writes to its blocks) and on the previous
     transfer's end event (transfers run in submission order). With ``use_triton`` a batch of
     at least ``MIN_JOBS`` runs shorter than ``triton_below`` bytes on average is one launch
-    of the Triton swap-blocks kernel (`kvtier_async.kernels.swap_blocks`); otherwise the
+    of the Triton swap-blocks kernel (`kvtier_async.kernels.swap_blocks`), its descriptor
+    table written into pooled pinned rows and uploaded on the transfer's stream into one
+    device table the copier reuses (transfers run in order on the device, so the next
+    upload lands after the last kernel read it): a launch allocates nothing, where a
+    pinned table and a device copy per launch cost more than the kernel on small batches
+    (``kvtier bench gpu``'s latency rows); otherwise the
     copy engine moves it, one ``cudaMemcpyAsync`` per run (through ctypes on torch's CUDA
     runtime, `kvtier_async._cudart`, after a self-test), else
     ``Tensor.copy_(non_blocking=True)`` on views of the device allocations
@@ -181,7 +186,17 @@ class _InFlight:
     start: Any
     end: Any
     num_bytes: int
-    keepalive: object  # what the device may still read (a pinned descriptor table)
+    keepalive: object  # what the device may still read (a `_Staged` descriptor table)
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """A Triton launch's descriptor table: the pinned staging rows it was written into
+    (back to the copier's pool when the transfer ends) and the device table the kernel
+    reads (kept alive until then, in case a larger one replaced it meanwhile)."""
+
+    host: tuple[Any, Any]  # (pinned int64 tensor, its numpy view)
+    device: Any
 
 
 #: Mean bytes per merged run below which a plan of at least ``MIN_JOBS`` runs is one Triton
@@ -221,6 +236,9 @@ class CudaPlanCopier:
             its self-test passes) rather than ``Tensor.copy_`` (several us per run more).
         storages: The device allocations, for ``Tensor.copy_`` copies; may instead be given
             per transfer.
+        plans_aligned: The caller vouches that every plan's addresses and sizes are
+            multiples of 8 (a handler checked its layout once), so `triton_for` skips the
+            check per plan.
     """
 
     def __init__(
@@ -235,6 +253,7 @@ class CudaPlanCopier:
         triton_below: int | None = None,
         use_cudart: bool = True,
         storages: DeviceStorages | None = None,
+        plans_aligned: bool = False,
     ) -> None:
         import torch
 
@@ -256,6 +275,14 @@ class CudaPlanCopier:
         self._streams: list[torch.cuda.Stream] = []
         self._events: list[torch.cuda.Event] = []
         self._last_end: torch.cuda.Event | None = None
+        self._plans_aligned = plans_aligned
+        # Recorded on a stream that a transfer's stream then waits on (one wait each, under
+        # the lock: a wait holds the record it saw, so the next record cannot disturb it).
+        self._marker = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        # Triton descriptor tables: free pinned staging rows, and the one device table every
+        # launch reads (transfers run in order on the device, so one suffices; it grows).
+        self._staging: list[tuple[Any, Any]] = []
+        self._device_table: torch.Tensor | None = None
         self._lock = threading.Lock()
 
     @property
@@ -263,13 +290,17 @@ class CudaPlanCopier:
         """Whether the Triton kernel may run this copier's plans (`triton_for` decides)."""
         return self._use_triton
 
-    def triton_for(self, plan: CopyPlan) -> bool:
+    def triton_for(self, plan: CopyPlan, total_bytes: int | None = None) -> bool:
         """Whether ``plan`` is one Triton launch: Triton allowed, at least ``MIN_JOBS``
         runs shorter than ``triton_below`` bytes on average, every address and size a
-        multiple of 8 (the kernel copies words)."""
-        if not (self._use_triton and triton_plan(len(plan), plan.total_bytes, self._triton_below)):
+        multiple of 8 (the kernel copies words; checked unless ``plans_aligned``).
+        ``total_bytes``: the plan's, when the caller has it."""
+        if not self._use_triton:
             return False
-        return not bool(((plan.src | plan.dst | plan.size) & 7).any())
+        total = plan.total_bytes if total_bytes is None else total_bytes
+        if not triton_plan(len(plan), total, self._triton_below):
+            return False
+        return self._plans_aligned or not bool(((plan.src | plan.dst | plan.size) & 7).any())
 
     @property
     def copy_engine_path(self) -> str:
@@ -290,12 +321,15 @@ class CudaPlanCopier:
     ) -> TransferResult:
         """Enqueue ``plan`` (after the compute stream and the streams ``after``) and await
         its completion; a cancelled transfer returns only after its copy ended."""
-        triton = self.triton_for(plan)
+        total = plan.total_bytes
+        triton = self.triton_for(plan, total)
         if triton or len(plan) <= _INLINE_MAX_RUNS:  # one launch, or a few runs: inline
-            flight = self._submit(plan, after, storages, triton)
+            flight = self._submit(plan, after, storages, triton, total)
         else:
             with anyio.CancelScope(shield=True):  # what is enqueued must be awaited below
-                flight = await anyio.to_thread.run_sync(self._submit, plan, after, storages, triton)
+                flight = await anyio.to_thread.run_sync(
+                    self._submit, plan, after, storages, triton, total
+                )
         try:
             await self._bridge.wait(flight.end)
         except anyio.get_cancelled_exc_class():
@@ -315,7 +349,8 @@ class CudaPlanCopier:
         storages: DeviceStorages | None = None,
     ) -> TransferResult:
         """`transfer`, blocking the calling (worker) thread."""
-        flight = self._submit(plan, after, storages, self.triton_for(plan))
+        total = plan.total_bytes
+        flight = self._submit(plan, after, storages, self.triton_for(plan, total), total)
         try:
             flight.end.synchronize()
         except Exception as exc:
@@ -330,6 +365,8 @@ class CudaPlanCopier:
             self._last_end = None
             self._streams.clear()
             self._events.clear()
+            self._staging.clear()
+            self._device_table = None
             self._host_flat = None
             self._host = None
 
@@ -341,33 +378,35 @@ class CudaPlanCopier:
         after: Sequence[torch.cuda.Stream],
         storages: DeviceStorages | None,
         triton: bool,
+        total_bytes: int,
     ) -> _InFlight:
         """Enqueue ``plan`` on a pooled stream: one Triton launch if ``triton`` (decided by
         `triton_for`), else the copy engine."""
-        import torch
-
         with self._lock:
             stream = self._streams.pop() if self._streams else _new_stream(self._device)
             start = self._events.pop() if self._events else _new_event()
             end = self._events.pop() if self._events else _new_event()
-            stream.wait_stream(self._compute)
+            # ``stream.wait_stream(other)``, without a new event each time
+            marker = self._marker
+            marker.record(self._compute)
+            stream.wait_event(marker)
             for other in after:
                 if other != self._compute:
-                    stream.wait_stream(other)
+                    marker.record(other)
+                    stream.wait_event(marker)
             if self._last_end is not None:
                 stream.wait_event(self._last_end)
-            with torch.cuda.device(self._device), torch.cuda.stream(stream):
-                start.record(stream)
-                try:
-                    keepalive = self._enqueue(plan, stream, storages or self._storages, triton)
-                except Exception as exc:
-                    end.record(stream)
-                    self._last_end = end
-                    end.synchronize()  # nothing enqueued may outlive the failed job
-                    raise TransferError(f"could not enqueue a transfer: {exc}") from exc
+            start.record(stream)
+            try:
+                keepalive = self._enqueue(plan, stream, storages or self._storages, triton)
+            except Exception as exc:
                 end.record(stream)
                 self._last_end = end
-        return _InFlight(stream, start, end, plan.total_bytes, keepalive)
+                end.synchronize()  # nothing enqueued may outlive the failed job
+                raise TransferError(f"could not enqueue a transfer: {exc}") from exc
+            end.record(stream)
+            self._last_end = end
+        return _InFlight(stream, start, end, total_bytes, keepalive)
 
     def _enqueue(
         self,
@@ -376,20 +415,68 @@ class CudaPlanCopier:
         storages: DeviceStorages | None,
         triton: bool,
     ) -> object:
-        from kvtier_async.kernels.swap_blocks import build_descriptors, launch_swap_blocks
+        import torch
 
         if triton:
-            table = build_descriptors(plan.src, plan.dst, plan.size, pin_memory=True)
-            launch_swap_blocks(table, max_size=plan.max_size, device=self._device)
-            return table
-        if self._memcpy is not None:
+            with torch.cuda.device(self._device), torch.cuda.stream(stream):
+                return self._launch_triton(plan, stream)
+        if self._memcpy is not None:  # explicit stream: no current-stream switch needed
             memcpy, handle = self._memcpy, int(stream.cuda_stream)
             runs = zip(plan.dst.tolist(), plan.src.tolist(), plan.size.tolist(), strict=True)
             for dst, src, nbytes in runs:
                 memcpy(dst, src, nbytes, handle)
         else:
-            self._torch_copies(plan, storages)
+            with torch.cuda.device(self._device), torch.cuda.stream(stream):
+                self._torch_copies(plan, storages)
         return None
+
+    def _launch_triton(self, plan: CopyPlan, stream: torch.cuda.Stream) -> _Staged:
+        """Write the plan's descriptor table into pinned staging rows, upload it on
+        ``stream`` into the device table, launch the kernel after it (on the current
+        stream, ``stream``). The caller holds the lock."""
+        from kvtier_async.kernels.swap_blocks import launch_device_table
+
+        jobs = len(plan)
+        staged = self._take_staging(3 * jobs)
+        rows = staged[1]
+        rows[:jobs] = plan.src
+        rows[jobs : 2 * jobs] = plan.dst
+        rows[2 * jobs : 3 * jobs] = plan.size
+        table = self._table_for(3 * jobs)
+        if self._memcpy is not None:
+            self._memcpy(
+                int(table.data_ptr()), int(staged[0].data_ptr()), 24 * jobs, int(stream.cuda_stream)
+            )
+        else:
+            table[: 3 * jobs].copy_(staged[0][: 3 * jobs], non_blocking=True)
+        launch_device_table(table, jobs, max_size=plan.max_size)
+        return _Staged(staged, table)
+
+    def _take_staging(self, count: int) -> tuple[Any, Any]:
+        """Free pinned int64 staging rows for at least ``count`` values (a new allocation,
+        a power of two of at least 1024, when none is free: the pool grows to the most
+        transfers in flight at once)."""
+        import torch
+
+        pool = self._staging
+        for index in range(len(pool) - 1, -1, -1):
+            if len(pool[index][1]) >= count:
+                return pool.pop(index)
+        size = max(1024, 1 << (count - 1).bit_length())
+        tensor = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        return tensor, tensor.numpy()
+
+    def _table_for(self, count: int) -> torch.Tensor:
+        """The device table, grown to at least ``count`` values. A table it replaces stays
+        alive while a transfer in flight holds it (its `_Staged`)."""
+        import torch
+
+        table = self._device_table
+        if table is None or table.numel() < count:
+            size = max(1024, 1 << (count - 1).bit_length())
+            table = torch.empty(size, dtype=torch.int64, device=self._device)
+            self._device_table = table
+        return table
 
     def _torch_copies(self, plan: CopyPlan, storages: DeviceStorages | None) -> None:
         host_flat, host = self._host_flat, self._host
@@ -416,9 +503,13 @@ class CudaPlanCopier:
         return TransferResult(flight.num_bytes, seconds)
 
     def _recycle(self, flight: _InFlight) -> None:
+        """Back to the pools: the stream, the events and the staging rows of a transfer
+        that has ended on the device (its upload read them long before)."""
         with self._lock:
             self._streams.append(flight.stream)
             self._events.extend((flight.start, flight.end))
+            if isinstance(flight.keepalive, _Staged) and self._host is not None:
+                self._staging.append(flight.keepalive.host)
 
 
 def _new_stream(device: torch.device) -> torch.cuda.Stream:

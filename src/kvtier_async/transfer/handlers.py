@@ -242,16 +242,18 @@ class CudaCopyHandler(TransferHandler):
             )
         super().__init__(kv, host, block_size_factor=block_size_factor, to_host=to_host)
         self._device = kv.device
+        triton = self._choose_triton(use_triton)
         self._copier = CudaPlanCopier(
             kv.device,
             host,
             to_host=to_host,
             bridge=bridge,
             compute_stream=compute_stream,
-            use_triton=self._choose_triton(use_triton),
+            use_triton=triton,
             triton_below=None if use_triton else triton_threshold,
             use_cudart=use_cudart,
             storages=DeviceStorages([view.tensor for view in kv.views]),
+            plans_aligned=triton,  # Triton is allowed only where the layout is aligned
         )
         log.debug(
             "cuda copy handler ready",
