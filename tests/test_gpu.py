@@ -481,7 +481,9 @@ async def test_triton_transfers_in_flight_at_once_keep_their_own_tables(
     """Triton transfers of different sizes enqueued before any has ended (each one's
     descriptor table staged in pinned rows of its own, the device table reused and grown
     under them), then awaited: every slot holds its own block's bytes, and the staging rows
-    come back to the pool."""
+    come back to the pool. A first round fills the pool (a pinned allocation may wait for
+    the device); the second runs behind GPU work, so every upload happens after the CPU
+    wrote every table."""
     page = 64 << 10
     kv = single_view_kv(page, 21)
     rng = np.random.default_rng(21)
@@ -497,22 +499,23 @@ async def test_triton_transfers_in_flight_at_once_keep_their_own_tables(
         store = CudaCopyHandler(kv, HostSlots.from_region(region), to_host=True, bridge=bridge)
         try:
             assert all(store.path_for(gpu, cpu) == "triton" for gpu, cpu in jobs)
-            torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
             copier = store.copier
-            flights = [
-                copier._submit(p, (), None, True, p.total_bytes)
-                for p in (store.plan(gpu, cpu) for gpu, cpu in jobs)
-            ]
-            assert not flights[-1].end.query()  # all enqueued behind the sleep
-            for flight in flights:
-                await bridge.wait(flight.end)
-                copier._finish(flight)
-            check_slots(kv, region.numpy().copy(), 1, GPUSpec.of(blocks), CPUSpec.of(slots))
-            assert len(copier._staging) == len(sizes)  # every table's rows back in the pool
+            plans = [store.plan(gpu, cpu) for gpu, cpu in jobs]
+            for behind in (False, True):
+                region.numpy()[:] = SENTINEL
+                if behind:
+                    torch.cuda._sleep(4 * SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+                flights = [copier._submit(p, (), None, True, p.total_bytes) for p in plans]
+                for flight in flights:
+                    await bridge.wait(flight.end)
+                    copier._finish(flight)
+                stored = region.numpy().copy()
+                check_slots(kv, stored, 1, GPUSpec.of(blocks), CPUSpec.of(slots))
+                assert len(copier._staging) == len(sizes)  # every table's rows are back
         finally:
             store.close()
             bridge.close()
-    assert kernel_launches.launches == len(sizes)
+    assert kernel_launches.launches == 2 * len(sizes)
 
 
 # -- the event bridge on real CUDA events --------------------------------------------

@@ -80,6 +80,8 @@ log = get_logger(__name__)
 # Plans with more runs than this are enqueued from a worker thread (each copy-engine run
 # costs several microseconds of Python and driver time, which the loop should not pay).
 _INLINE_MAX_RUNS: Final = 64
+# Values in the smallest Triton descriptor table (3 per job: 341 jobs), made with the copier.
+_TABLE_VALUES: Final = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,8 +283,10 @@ class CudaPlanCopier:
         self._marker = torch.cuda.Event()  # type: ignore[no-untyped-call]
         # Triton descriptor tables: free pinned staging rows, and the one device table every
         # launch reads (transfers run in order on the device, so one suffices; it grows).
-        self._staging: list[tuple[Any, Any]] = []
-        self._device_table: torch.Tensor | None = None
+        self._staging: list[tuple[Any, Any]] = [_new_staging(1)] if use_triton else []
+        self._device_table: torch.Tensor | None = (
+            torch.empty(_TABLE_VALUES, dtype=torch.int64, device=device) if use_triton else None
+        )
         self._lock = threading.Lock()
 
     @property
@@ -453,18 +457,15 @@ class CudaPlanCopier:
         return _Staged(staged, table)
 
     def _take_staging(self, count: int) -> tuple[Any, Any]:
-        """Free pinned int64 staging rows for at least ``count`` values (a new allocation,
-        a power of two of at least 1024, when none is free: the pool grows to the most
-        transfers in flight at once)."""
-        import torch
-
+        """The smallest free pinned int64 staging rows for at least ``count`` values; a new
+        allocation (a power of two of at least `_TABLE_VALUES`) when none fits. The pool
+        grows to the most transfers in flight at once. A pinned allocation may wait for
+        the device, so the first rows are made with the copier."""
         pool = self._staging
-        for index in range(len(pool) - 1, -1, -1):
-            if len(pool[index][1]) >= count:
-                return pool.pop(index)
-        size = max(1024, 1 << (count - 1).bit_length())
-        tensor = torch.empty(size, dtype=torch.int64, pin_memory=True)
-        return tensor, tensor.numpy()
+        fits = [index for index, (_, rows) in enumerate(pool) if len(rows) >= count]
+        if fits:
+            return pool.pop(min(fits, key=lambda index: len(pool[index][1])))
+        return _new_staging(count)
 
     def _table_for(self, count: int) -> torch.Tensor:
         """The device table, grown to at least ``count`` values. A table it replaces stays
@@ -473,8 +474,7 @@ class CudaPlanCopier:
 
         table = self._device_table
         if table is None or table.numel() < count:
-            size = max(1024, 1 << (count - 1).bit_length())
-            table = torch.empty(size, dtype=torch.int64, device=self._device)
+            table = torch.empty(_table_size(count), dtype=torch.int64, device=self._device)
             self._device_table = table
         return table
 
@@ -510,6 +510,19 @@ class CudaPlanCopier:
             self._events.extend((flight.start, flight.end))
             if isinstance(flight.keepalive, _Staged) and self._host is not None:
                 self._staging.append(flight.keepalive.host)
+
+
+def _table_size(count: int) -> int:
+    """Values in a descriptor table for ``count``: a power of two, at least `_TABLE_VALUES`."""
+    return max(_TABLE_VALUES, 1 << (count - 1).bit_length())
+
+
+def _new_staging(count: int) -> tuple[Any, Any]:
+    """Pinned int64 staging rows for at least ``count`` values, and their numpy view."""
+    import torch
+
+    tensor = torch.empty(_table_size(count), dtype=torch.int64, pin_memory=True)
+    return tensor, tensor.numpy()
 
 
 def _new_stream(device: torch.device) -> torch.cuda.Stream:
