@@ -424,11 +424,15 @@ class CudaPlanCopier:
         if triton:
             with torch.cuda.device(self._device), torch.cuda.stream(stream):
                 return self._launch_triton(plan, stream)
-        if self._memcpy is not None:  # explicit stream: no current-stream switch needed
+        if self._memcpy is not None:
+            # An explicit stream: no current-stream switch. The device is set all the same:
+            # a thread's current device starts at 0, and a runtime call there would make a
+            # context on a GPU this process may not own (vLLM's worker for GPU 1, say).
             memcpy, handle = self._memcpy, int(stream.cuda_stream)
             runs = zip(plan.dst.tolist(), plan.src.tolist(), plan.size.tolist(), strict=True)
-            for dst, src, nbytes in runs:
-                memcpy(dst, src, nbytes, handle)
+            with torch.cuda.device(self._device):
+                for dst, src, nbytes in runs:
+                    memcpy(dst, src, nbytes, handle)
         else:
             with torch.cuda.device(self._device), torch.cuda.stream(stream):
                 self._torch_copies(plan, storages)
