@@ -16,6 +16,7 @@ __all__ = [
     "THRESHOLD_BYTES",
     "build_descriptors",
     "chunk_bytes_for",
+    "launch_device_table",
     "launch_swap_blocks",
     "triton_available",
 ]

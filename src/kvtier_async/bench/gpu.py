@@ -462,28 +462,37 @@ def _wake_us(start: Any, end: Any, launched: float, woke: float) -> float:
     return max(MIN_WAKE_US, (woke - launched - gpu_ms / 1e3) * 1e6)
 
 
-def _reference_wakes(rounds: int) -> list[float]:
-    """A bare ``synchronize()`` in a waiting thread: when does it return?"""
-    requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    replies: queue.SimpleQueue[float] = queue.SimpleQueue()
+@contextmanager
+def _synchronizer(name: str) -> Iterator[Callable[[Any, Callable[[], object]], None]]:
+    """A waiting thread: ``submit(event, then)`` has it call ``event.synchronize()``, then
+    ``then()`` (in the thread). Stopped and joined on exit."""
+    requests: queue.SimpleQueue[tuple[Any, Callable[[], object]] | None] = queue.SimpleQueue()
 
     def waiter() -> None:
-        while (event := requests.get()) is not None:
+        while (item := requests.get()) is not None:
+            event, then = item
             event.synchronize()
-            replies.put(time.perf_counter())
+            then()
 
-    thread = threading.Thread(target=waiter, name="kvtier-bench-sync", daemon=True)
+    thread = threading.Thread(target=waiter, name=name, daemon=True)
     thread.start()
-    samples = []
     try:
-        for _ in range(rounds):
-            start, end, launched = _launch()
-            requests.put(end)
-            woke = replies.get(timeout=10.0)
-            samples.append(_wake_us(start, end, launched, woke))
+        yield lambda event, then: requests.put((event, then))
     finally:
         requests.put(None)
         thread.join(10.0)
+
+
+def _reference_wakes(rounds: int) -> list[float]:
+    """A bare ``synchronize()`` in a waiting thread: when does it return?"""
+    replies: queue.SimpleQueue[float] = queue.SimpleQueue()
+    samples = []
+    with _synchronizer("kvtier-bench-sync") as submit:
+        for _ in range(rounds):
+            start, end, launched = _launch()
+            submit(end, lambda: replies.put(time.perf_counter()))
+            woke = replies.get(timeout=10.0)
+            samples.append(_wake_us(start, end, launched, woke))
     return samples
 
 
@@ -492,17 +501,7 @@ def _floor_wakes(backend: str, rounds: int) -> list[float]:
     wakes a task through the backend's native cross-thread call (asyncio's
     ``call_soon_threadsafe`` setting a future, trio's ``run_sync_soon`` setting a
     ``trio.Event``), no anyio and no bridge. What a thread-based design cannot go below."""
-    requests: queue.SimpleQueue[tuple[Any, Callable[[], object]] | None] = queue.SimpleQueue()
-
-    def waiter() -> None:
-        while (item := requests.get()) is not None:
-            event, wake = item
-            event.synchronize()
-            wake()
-
-    thread = threading.Thread(target=waiter, name="kvtier-bench-floor", daemon=True)
-    thread.start()
-    try:
+    with _synchronizer("kvtier-bench-floor") as submit:
         if backend == "trio":
             import trio
 
@@ -512,7 +511,7 @@ def _floor_wakes(backend: str, rounds: int) -> list[float]:
                 for _ in range(rounds):
                     start, end, launched = _launch()
                     done = trio.Event()
-                    requests.put((end, functools.partial(token.run_sync_soon, done.set)))
+                    submit(end, functools.partial(token.run_sync_soon, done.set))
                     with trio.fail_after(10.0):
                         await done.wait()
                     samples.append(_wake_us(start, end, launched, time.perf_counter()))
@@ -526,22 +525,19 @@ def _floor_wakes(backend: str, rounds: int) -> list[float]:
             for _ in range(rounds):
                 start, end, launched = _launch()
                 future: asyncio.Future[None] = loop.create_future()
-                wake = functools.partial(loop.call_soon_threadsafe, future.set_result, None)
-                requests.put((end, wake))
+                submit(end, functools.partial(loop.call_soon_threadsafe, future.set_result, None))
                 async with asyncio.timeout(10.0):
                     await future
                 samples.append(_wake_us(start, end, launched, time.perf_counter()))
             return samples
 
+        loop_factory = None
         if backend == UVLOOP:
             import uvloop
 
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                return runner.run(on_asyncio())
-        return asyncio.run(on_asyncio())
-    finally:
-        requests.put(None)
-        thread.join(10.0)
+            loop_factory = uvloop.new_event_loop
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(on_asyncio())
 
 
 def _bridge_wakes(strategy: BridgeStrategy, backend: str, rounds: int) -> list[float]:

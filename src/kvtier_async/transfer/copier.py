@@ -47,7 +47,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import anyio
 import anyio.from_thread
@@ -191,13 +191,20 @@ class _InFlight:
     keepalive: object  # what the device may still read (a `_Staged` descriptor table)
 
 
+class _Rows(NamedTuple):
+    """Pinned int64 staging rows for a descriptor table, and their numpy view."""
+
+    tensor: Any
+    values: Any
+
+
 @dataclass(frozen=True, slots=True)
 class _Staged:
     """A Triton launch's descriptor table: the pinned staging rows it was written into
     (back to the copier's pool when the transfer ends) and the device table the kernel
     reads (kept alive until then, in case a larger one replaced it meanwhile)."""
 
-    host: tuple[Any, Any]  # (pinned int64 tensor, its numpy view)
+    host: _Rows
     device: Any
 
 
@@ -283,7 +290,7 @@ class CudaPlanCopier:
         self._marker = torch.cuda.Event()  # type: ignore[no-untyped-call]
         # Triton descriptor tables: free pinned staging rows, and the one device table every
         # launch reads (transfers run in order on the device, so one suffices; it grows).
-        self._staging: list[tuple[Any, Any]] = [_new_staging(1)] if use_triton else []
+        self._staging: list[_Rows] = [_new_staging(1)] if use_triton else []
         self._device_table: torch.Tensor | None = (
             torch.empty(_TABLE_VALUES, dtype=torch.int64, device=device) if use_triton else None
         )
@@ -445,31 +452,33 @@ class CudaPlanCopier:
         from kvtier_async.kernels.swap_blocks import launch_device_table
 
         jobs = len(plan)
-        staged = self._take_staging(3 * jobs)
-        rows = staged[1]
-        rows[:jobs] = plan.src
-        rows[jobs : 2 * jobs] = plan.dst
-        rows[2 * jobs : 3 * jobs] = plan.size
+        rows = self._take_staging(3 * jobs)
+        rows.values[:jobs] = plan.src
+        rows.values[jobs : 2 * jobs] = plan.dst
+        rows.values[2 * jobs : 3 * jobs] = plan.size
         table = self._table_for(3 * jobs)
         if self._memcpy is not None:
             self._memcpy(
-                int(table.data_ptr()), int(staged[0].data_ptr()), 24 * jobs, int(stream.cuda_stream)
+                int(table.data_ptr()),
+                int(rows.tensor.data_ptr()),
+                24 * jobs,
+                int(stream.cuda_stream),
             )
         else:
-            table[: 3 * jobs].copy_(staged[0][: 3 * jobs], non_blocking=True)
+            table[: 3 * jobs].copy_(rows.tensor[: 3 * jobs], non_blocking=True)
         launch_device_table(table, jobs, max_size=plan.max_size)
-        return _Staged(staged, table)
+        return _Staged(rows, table)
 
-    def _take_staging(self, count: int) -> tuple[Any, Any]:
+    def _take_staging(self, count: int) -> _Rows:
         """The smallest free pinned int64 staging rows for at least ``count`` values; a new
         allocation (a power of two of at least `_TABLE_VALUES`) when none fits. The pool
         grows to the most transfers in flight at once. A pinned allocation may wait for
         the device, so the first rows are made with the copier."""
         pool = self._staging
-        fits = [index for index, (_, rows) in enumerate(pool) if len(rows) >= count]
-        if fits:
-            return pool.pop(min(fits, key=lambda index: len(pool[index][1])))
-        return _new_staging(count)
+        fits = [index for index, rows in enumerate(pool) if len(rows.values) >= count]
+        if not fits:
+            return _new_staging(count)
+        return pool.pop(min(fits, key=lambda index: len(pool[index].values)))
 
     def _table_for(self, count: int) -> torch.Tensor:
         """The device table, grown to at least ``count`` values. A table it replaces stays
@@ -521,12 +530,12 @@ def _table_size(count: int) -> int:
     return max(_TABLE_VALUES, 1 << (count - 1).bit_length())
 
 
-def _new_staging(count: int) -> tuple[Any, Any]:
-    """Pinned int64 staging rows for at least ``count`` values, and their numpy view."""
+def _new_staging(count: int) -> _Rows:
+    """Pinned int64 staging rows for at least ``count`` values."""
     import torch
 
     tensor = torch.empty(_table_size(count), dtype=torch.int64, pin_memory=True)
-    return tensor, tensor.numpy()
+    return _Rows(tensor, tensor.numpy())
 
 
 def _new_stream(device: torch.device) -> torch.cuda.Stream:

@@ -37,8 +37,9 @@ same code that moves the async API's blocks (`kvtier_async.transfer.blocks`):
     (``kvtier bench gpu``, 2026-12-04, four runs) Triton moved scattered pages of 8 KiB
     to 256 KiB at 1.15-22x the copy engine's rate, tied with it at 512 KiB (0.97-1.12x)
     and lost from 1 MiB (0.80-1.01x), both ways; a merged run of 64 MiB ran at 0.84-0.95
-    of one ``Tensor.copy_`` on the copy engine. (vLLM 0.33 switches by page size at
-    28 KiB, tuned on an H100.)
+    of one ``Tensor.copy_`` on the copy engine, 0.96 once the copier stopped switching
+    torch's current stream and making an event per wait (later runs). (vLLM 0.33 switches
+    by page size at 28 KiB, tuned on an H100.)
 
 Every handler offers ``await transfer(src, dst)`` and a synchronous ``execute(src, dst)``
 for worker threads (the sync vLLM face). Both return a `TransferResult` (bytes moved,
