@@ -12,10 +12,11 @@ import importlib.util
 from collections.abc import Sequence
 from typing import Final
 
-__all__ = ["BENCH_S3", "S3", "MissingExtraError", "missing", "require"]
+__all__ = ["BENCH_S3", "FLEET", "S3", "MissingExtraError", "missing", "require"]
 
 # What each extra brings that the code imports (the distributions' top-level modules).
 S3: Final = ("aioboto3", "aiobotocore", "aiohttp", "botocore")
+FLEET: Final = ("zmq", "msgspec", "aiohttp")  # kvtier_async.fleet
 BENCH_S3: Final = ("moto", "flask", "flask_cors", "werkzeug")  # moto[server]
 
 

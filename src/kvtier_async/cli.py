@@ -155,7 +155,105 @@ def _parser() -> argparse.ArgumentParser:
         "vllm", help="vLLM's own command line (kvtier vllm serve ...), for vLLM's CPU wheel"
     )
     _add_operations(commands)
+    _add_fleet(commands)
     return parser
+
+
+def _add_fleet(commands: Any) -> None:  # argparse's private _SubParsersAction
+    """``kvtier fleet index|router``: the fleet's prefix index, and the reference router."""
+    fleet = commands.add_parser("fleet", help="a fleet's prefix index and router (vLLM KV events)")
+    kinds = fleet.add_subparsers(title="services", required=True, metavar="SERVICE")
+    for name, text in (
+        ("index", "the prefix index: KV events in, /match and /engines out"),
+        ("router", "the reference router: an HTTP proxy routed by the index"),
+    ):
+        service = kinds.add_parser(name, help=text)
+        service.add_argument(
+            "--events",
+            default="tcp://127.0.0.1:5557",
+            help="the ZMQ address to bind, that every engine's KV events "
+            "publisher connects to (default tcp://127.0.0.1:5557)",
+        )
+        service.add_argument(
+            "--engine",
+            action="append",
+            default=[],
+            required=True,
+            metavar="NAME[,url=URL][,replay=ENDPOINT]",
+            help="an engine: NAME is its KV events topic; url= its HTTP base "
+            "(the router needs it); replay= its publisher's replay_endpoint "
+            "(to fill gaps); repeat per engine",
+        )
+        service.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+        service.add_argument(
+            "--port",
+            type=_positive,
+            default=8100 if name == "index" else 8000,
+            help="HTTP port (default %(default)s)",
+        )
+        service.add_argument(
+            "--block-size",
+            type=_positive,
+            required=True,
+            help="the engines' vLLM block size in tokens (--block-size)",
+        )
+        service.add_argument(
+            "--offload-factor",
+            type=_positive,
+            default=1,
+            help="GPU blocks per offloaded block (the connector's block_size "
+            "over vLLM's; default 1)",
+        )
+        service.add_argument(
+            "--max-blocks",
+            type=_positive,
+            default=4_000_000,
+            help="keys kept per engine and medium, and per shared tier (default 4000000)",
+        )
+        service.add_argument(
+            "--hash-seed",
+            default=None,
+            help="the engines' PYTHONHASHSEED, if they set one "
+            "(default: this process's, else vLLM's fixed seed)",
+        )
+        if name == "router":
+            service.add_argument(
+                "--max-imbalance",
+                type=_positive,
+                default=4,
+                help="requests in flight an engine may have above the least "
+                "loaded one and still get a prompt it holds (default 4)",
+            )
+        service.set_defaults(command=_fleet, service=name)
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    from kvtier_async import _extras
+
+    try:
+        _extras.require("fleet", _extras.FLEET, f"fleet {args.service}")
+        from kvtier_async.fleet import service
+    except MissingExtraError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 2
+    common = {"events": args.events, "engines": args.engine, "host": args.host,
+              "port": args.port, "block_size": args.block_size,
+              "offload_factor": args.offload_factor, "max_blocks": args.max_blocks,
+              "seed": args.hash_seed,
+              "ready": lambda where: print(f"kvtier fleet {args.service}: up, {where}",
+                                           file=sys.stderr, flush=True)}  # fmt: skip
+    try:
+        if args.service == "index":
+            service.run_index(**common)
+        else:
+            service.run_router(**common, max_imbalance=args.max_imbalance)
+    except ValueError as exc:
+        print(f"kvtier fleet {args.service}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the port or the events address is taken
+        print(f"kvtier fleet {args.service}: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _tiny_model(args: argparse.Namespace) -> int:

@@ -1,0 +1,258 @@
+"""The reference router: an async HTTP proxy in front of a fleet's engines, routed by the index.
+
+A request to ``/v1/completions`` (a text prompt, or token ids) goes to the engine that holds
+the longest prefix of its prompt on its GPU or in its CPU tier, unless a shared tier holds at
+least as long a prefix anyway (then any engine can load it from there, and the least loaded
+one takes it) or that engine has ``max_imbalance`` more requests in flight than the least
+loaded one. The answer streams back as the engine sends it; ``x-kvtier-engine`` names the
+engine and ``x-kvtier-route`` why (``local``, ``shared``, ``least-loaded``). A text prompt is
+turned into token ids by an engine's ``/tokenize`` (every engine of a fleet has the same
+tokenizer). Other paths (``/v1/models``, ``/v1/chat/completions``, ...) go to the least
+loaded engine.
+
+An engine that refuses a connection is marked down, forgotten by the index, and the request
+goes to the next engine; a probe of its ``/health`` every ``probe_interval_s`` brings it back.
+With no engine up the router answers 503. This is the project's reference implementation of
+routing on the index, for measuring it (``kvtier bench fleet``) and as a model for a router's
+own hook; it is not a hardened gateway (no TLS, no auth: bind it to a private address).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvtier_async._log import RateLimited, get_logger
+
+from .hashing import BlockHasher
+from .index import FleetIndex, Match
+
+__all__ = ["Router"]
+
+log = get_logger(__name__)
+DEFAULT_MAX_IMBALANCE: Final = 4
+_HOP: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "host",
+        "upgrade",
+        "proxy-connection",
+        "te",
+        "trailer",
+    }
+)
+
+
+@dataclass(slots=True)
+class _Upstream:
+    name: str
+    url: str
+    up: bool = True
+    in_flight: int = 0
+    routed: int = 0
+    failures: int = 0
+
+
+class Router:
+    """Routes to ``engines`` (name -> base URL) by ``index``; `app` is the aiohttp app."""
+
+    def __init__(
+        self,
+        engines: Mapping[str, str],
+        index: FleetIndex,
+        hasher: BlockHasher,
+        *,
+        max_imbalance: int = DEFAULT_MAX_IMBALANCE,
+        probe_interval_s: float = 1.0,
+        request_timeout_s: float = 600.0,
+    ) -> None:
+        missing = set(index.engines) ^ set(engines)
+        if missing:
+            raise ValueError(
+                f"engines: the router and the index name different engines: {sorted(missing)}"
+            )
+        self.index = index
+        self.hasher = hasher
+        self.max_imbalance = max_imbalance
+        self.probe_interval_s = probe_interval_s
+        self.request_timeout_s = request_timeout_s
+        self.upstreams = {name: _Upstream(name, url.rstrip("/")) for name, url in engines.items()}
+        self._warn = RateLimited(log)
+        self._session: Any = None
+
+    # -- routing ------------------------------------------------------------------------------
+
+    def choose(self, match: Match | None) -> tuple[_Upstream, str]:
+        """The engine a prompt with ``match`` goes to, and why; `LookupError` if none is up."""
+        live = [u for u in self.upstreams.values() if u.up]
+        if not live:
+            raise LookupError("no engine is up")
+        least = min(live, key=lambda u: (u.in_flight, u.routed))
+        if match is None:
+            return least, "least-loaded"
+        best = max(live, key=lambda u: (match.local(u.name), -u.in_flight, -u.routed))
+        local = match.local(best.name)
+        if local > match.shared and best.in_flight - least.in_flight <= self.max_imbalance:
+            return best, "local"
+        return least, "shared" if match.shared else "least-loaded"
+
+    async def _token_ids(self, body: Mapping[str, Any]) -> list[int] | None:
+        """The prompt's token ids: given, or from an engine's ``/tokenize``."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt
+        if not isinstance(prompt, str):
+            return None  # batched prompts, embeddings: routed by load
+        for upstream in self._live():
+            try:
+                async with self._session.post(
+                    f"{upstream.url}/tokenize", json={"model": body.get("model"), "prompt": prompt}
+                ) as resp:
+                    if resp.status == 200:
+                        tokens = (await resp.json()).get("tokens")
+                        return tokens if isinstance(tokens, list) else None
+            except OSError:
+                self._down(upstream, "tokenize failed")
+        return None
+
+    def _live(self) -> list[_Upstream]:
+        return sorted((u for u in self.upstreams.values() if u.up), key=lambda u: u.in_flight)
+
+    def _down(self, upstream: _Upstream, why: str) -> None:
+        if upstream.up:
+            log.warning(
+                "fleet engine down: forgotten by the index",
+                engine=upstream.name,
+                url=upstream.url,
+                reason=why,
+            )
+        upstream.up = False
+        upstream.failures += 1
+        self.index.forget(upstream.name)
+
+    # -- the HTTP side ------------------------------------------------------------------------
+
+    def app(self) -> Any:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/fleet/engines", self._engines)
+        app.router.add_route("*", "/{path:.*}", self._passthrough)
+        app.cleanup_ctx.append(self._lifetime)
+        return app
+
+    async def _lifetime(self, app: Any) -> Any:
+        import asyncio
+
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=5.0)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        probe = asyncio.get_running_loop().create_task(self._probe_forever())
+        try:
+            yield
+        finally:
+            probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probe
+            await self._session.close()
+
+    async def _probe_forever(self) -> None:
+        import asyncio
+
+        import aiohttp
+
+        while True:
+            for upstream in self.upstreams.values():
+                if upstream.up:
+                    continue
+                try:
+                    async with self._session.get(
+                        f"{upstream.url}/health", timeout=aiohttp.ClientTimeout(total=2.0)
+                    ) as resp:
+                        if resp.status == 200:
+                            upstream.up = True
+                            log.info("fleet engine up again", engine=upstream.name)
+                except (TimeoutError, OSError):
+                    pass
+            await asyncio.sleep(self.probe_interval_s)
+
+    async def _engines(self, request: Any) -> Any:
+        from aiohttp import web
+
+        upstreams = {
+            u.name: {
+                "url": u.url,
+                "up": u.up,
+                "in_flight": u.in_flight,
+                "routed": u.routed,
+                "failures": u.failures,
+            }
+            for u in self.upstreams.values()
+        }
+        index = [s._asdict() for s in self.index.stats()]
+        return web.json_response(
+            {"engines": upstreams, "index": index, "storage_blocks": self.index.storage_blocks()}
+        )
+
+    async def _completions(self, request: Any) -> Any:
+        from aiohttp import web
+
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return web.json_response({"error": "the body is not JSON"}, status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"error": "the body must be a JSON object"}, status=400)
+        tokens = await self._token_ids(body)
+        match = self.index.match(self.hasher.keys(tokens)) if tokens else None
+        return await self._forward(request, raw, match)
+
+    async def _passthrough(self, request: Any) -> Any:
+        return await self._forward(request, await request.read(), None)
+
+    async def _forward(self, request: Any, raw: bytes, match: Match | None) -> Any:
+        from aiohttp import ClientConnectorError, web
+
+        tried: set[str] = set()
+        while True:
+            try:
+                upstream, why = self.choose(match)
+            except LookupError:
+                return web.json_response({"error": "no engine is up"}, status=503)
+            if upstream.name in tried:
+                return web.json_response({"error": "no engine answered"}, status=502)
+            tried.add(upstream.name)
+            headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+            upstream.in_flight += 1
+            upstream.routed += 1
+            try:
+                async with self._session.request(
+                    request.method,
+                    upstream.url + request.rel_url.path_qs,
+                    data=raw,
+                    headers=headers,
+                ) as resp:
+                    out = web.StreamResponse(status=resp.status)
+                    for k, v in resp.headers.items():
+                        if k.lower() not in _HOP:
+                            out.headers[k] = v
+                    out.headers["x-kvtier-engine"] = upstream.name
+                    out.headers["x-kvtier-route"] = why
+                    await out.prepare(request)
+                    async for chunk in resp.content.iter_any():
+                        await out.write(chunk)
+                    await out.write_eof()
+                    return out
+            except ClientConnectorError as exc:
+                self._down(upstream, str(exc))  # nothing was sent back yet: try the next
+            finally:
+                upstream.in_flight -= 1
