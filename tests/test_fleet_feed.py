@@ -105,7 +105,7 @@ def stored(n: int, medium: str = "GPU") -> Batch:
 
 async def connected(feed: Feed, pub: Publisher) -> None:
     """Send seq 0 until the index has it (a PUB drops what it sends before it is connected;
-    the repeats are duplicates, dropped)."""
+    a repeat read as a restart re-applies the same batch)."""
     payload = encode_batch(stored(1))
     pub.buffer.append((0, payload))
     pub.seq = 1

@@ -179,25 +179,25 @@ def test_an_index_started_after_its_engines_replays_from_zero() -> None:
     assert index.match(KEYS).gpu["a"] == 4 and index.stats()[0].resyncs == 0
 
 
-def test_a_restarted_engine_starts_empty_and_duplicates_are_dropped() -> None:
+def test_a_restarted_engine_starts_empty() -> None:
     index = FleetIndex(["a"])
-    index.receive(
-        "a",
-        0,
-        Batch(
-            0.0,
-            [
-                BlockStored(HASHES, medium="GPU"),
-                BlockStored(HASHES, medium="STORAGE", ownership="fs"),
-            ],
-        ),
-    )
+    both = [
+        BlockStored(HASHES, medium="GPU"),
+        BlockStored(HASHES, medium="STORAGE", ownership="fs"),
+    ]
+    index.receive("a", 0, Batch(0.0, both))
     index.receive("a", 1, stored(8, "CPU"))
-    assert index.receive("a", 1, stored(1)) is Receipt.DUPLICATE
     assert index.receive("a", 0, stored(2)) is Receipt.RESTARTED  # its sequence began again
     m = index.match(KEYS)
     assert (m.gpu["a"], m.cpu["a"], m.storage["fs"]) == (2, 0, 8)
-    assert index.stats()[0].restarts == 1
+    index.receive("a", 1, stored(8))
+    index.receive("a", 2, stored(8, "CPU"))
+    # Restarted again, its first batch lost: 1 < 3 is a new publisher too; replay from 0.
+    assert index.receive("a", 1, stored(1)) is Receipt.REPLAY
+    assert (index.replay_from("a"), index.match(KEYS).gpu["a"]) == (0, 0)
+    index.replayed("a", 0, stored(3))
+    assert index.replay_done("a") is True
+    assert index.match(KEYS).gpu["a"] == 3 and index.stats()[0].restarts == 2
 
 
 def test_forget_drops_an_engine_and_its_next_batch_is_a_first_one() -> None:

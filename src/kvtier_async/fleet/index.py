@@ -17,7 +17,9 @@ done (a replay) it returns.
   not close the gap (no replay endpoint, the publisher's buffer moved on, a deadline), the
   engine is *resynced*: its GPU and CPU blocks are forgotten and the waiting batches applied,
   so the index may know less than the engine holds, never more. A sequence that starts again
-  at 0 is a restarted engine: its blocks are dropped first.
+  lower than the last (vLLM's PUB socket never sends a batch twice) is a restarted engine:
+  its local blocks are dropped first, and if the new sequence did not start at 0 (its first
+  batches were lost) it is replayed from 0.
 - Wrong input never becomes state: a malformed batch, an event for an engine that was not
   configured, a medium that is not GPU, CPU or STORAGE are counted and logged by the feed,
   and the batch is not applied (a malformed batch resyncs its engine: what it said is lost).
@@ -52,7 +54,6 @@ class Receipt(enum.Enum):
     """What `FleetIndex.receive` did with a batch."""
 
     APPLIED = "applied"
-    DUPLICATE = "duplicate"  # a sequence already applied: dropped
     RESTARTED = "restarted"  # the engine's sequence started again: its blocks dropped, applied
     REPLAY = "replay"  # a gap: the batch waits; ask the engine's replay socket (`replay_from`)
     WAITING = "waiting"  # a replay is open: the batch waits for it
@@ -66,7 +67,6 @@ class EngineStats(NamedTuple):
     cpu_blocks: int
     batches: int
     events: int
-    duplicates: int
     restarts: int
     gaps: int
     replayed: int
@@ -85,7 +85,6 @@ class _Engine:
     pending: deque[tuple[int, Batch]] = field(default_factory=deque)
     batches: int = 0
     events: int = 0
-    duplicates: int = 0
     restarts: int = 0
     gaps: int = 0
     replayed: int = 0
@@ -172,14 +171,16 @@ class FleetIndex:
         if (expected is None and seq == 0) or seq == expected:
             self._apply(st, seq, batch)
             return Receipt.APPLIED
-        if expected is not None and seq == 0:
+        if expected is not None and seq < expected:
+            # A PUB/SUB stream never sends a batch twice: a lower sequence is a new publisher
+            # under this name, the engine restarted (or two engines share one name).
             st.restarts += 1
             st.forget()
-            self._apply(st, seq, batch)
-            return Receipt.RESTARTED
-        if expected is not None and seq < expected:
-            st.duplicates += 1
-            return Receipt.DUPLICATE
+            if seq == 0:
+                self._apply(st, seq, batch)
+                return Receipt.RESTARTED
+            st.next_seq = None  # its first batches were lost: replay them from 0
+            expected = None
         # A gap, or an engine first seen mid-stream: replay from what is missing.
         st.gaps += expected is not None
         st.replay_from = 0 if expected is None else expected
@@ -299,7 +300,6 @@ class FleetIndex:
                 len(st.cpu),
                 st.batches,
                 st.events,
-                st.duplicates,
                 st.restarts,
                 st.gaps,
                 st.replayed,

@@ -1,13 +1,13 @@
 """The reference router: an async HTTP proxy in front of a fleet's engines, routed by the index.
 
 A request to ``/v1/completions`` (a text prompt, or token ids) goes to the engine that holds
-the longest prefix of its prompt on its GPU or in its CPU tier, unless a shared tier holds at
-least as long a prefix anyway (then any engine can load it from there, and the least loaded
-one takes it) or that engine has ``max_imbalance`` more requests in flight than the least
-loaded one. The answer streams back as the engine sends it; ``x-kvtier-engine`` names the
-engine and ``x-kvtier-route`` why (``local``, ``shared``, ``least-loaded``). A text prompt is
-turned into token ids by an engine's ``/tokenize`` (every engine of a fleet has the same
-tokenizer). Other paths (``/v1/models``, ``/v1/chat/completions``, ...) go to the least
+the longest prefix of its prompt on its GPU or in its CPU tier, unless a shared tier holds as
+long a prefix anyway and another engine has fewer requests in flight (then that one loads it
+from the shared tier), or that engine has more than ``max_imbalance`` requests in flight above
+the least loaded one. A prompt no engine holds goes to the least loaded one. The answer
+streams back as the engine sends it; ``x-kvtier-engine`` names the engine and
+``x-kvtier-route`` why (``local``, ``shared``, ``least-loaded``). A text prompt is turned into
+token ids by an engine's ``/tokenize`` (every engine of a fleet has the same tokenizer). Other paths (``/v1/models``, ``/v1/chat/completions``, ...) go to the least
 loaded engine.
 
 An engine that refuses a connection is marked down, forgotten by the index, and the request
@@ -29,6 +29,7 @@ from kvtier_async._log import RateLimited, get_logger
 
 from .hashing import BlockHasher
 from .index import FleetIndex, Match
+from .query import match_json
 
 __all__ = ["Router"]
 
@@ -97,10 +98,12 @@ class Router:
         if match is None:
             return least, "least-loaded"
         best = max(live, key=lambda u: (match.local(u.name), -u.in_flight, -u.routed))
-        local = match.local(best.name)
-        if local > match.shared and best.in_flight - least.in_flight <= self.max_imbalance:
+        local, shared = match.local(best.name), match.shared
+        if local > shared and best.in_flight - least.in_flight <= self.max_imbalance:
             return best, "local"
-        return least, "shared" if match.shared else "least-loaded"
+        if local and local == shared and best.in_flight <= least.in_flight:
+            return best, "local"  # the shared tier holds it too, but this engine is as idle
+        return least, "shared" if shared else "least-loaded"
 
     async def _token_ids(self, body: Mapping[str, Any]) -> list[int] | None:
         """The prompt's token ids: given, or from an engine's ``/tokenize``."""
@@ -144,6 +147,7 @@ class Router:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/fleet/engines", self._engines)
+        app.router.add_post("/fleet/match", self._match)
         app.router.add_route("*", "/{path:.*}", self._passthrough)
         app.cleanup_ctx.append(self._lifetime)
         return app
@@ -201,6 +205,18 @@ class Router:
         return web.json_response(
             {"engines": upstreams, "index": index, "storage_blocks": self.index.storage_blocks()}
         )
+
+    async def _match(self, request: Any) -> Any:
+        from aiohttp import web
+
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response({"error": "body: must be JSON"}, status=400)
+        try:
+            return web.json_response(match_json(self.index, self.hasher, body))
+        except ValueError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
 
     async def _completions(self, request: Any) -> Any:
         from aiohttp import web

@@ -26,57 +26,27 @@ from typing import Any
 from kvtier_async._log import get_logger
 
 from .feed import Feed
-from .hashing import BlockHasher, as_key
+from .hashing import BlockHasher
 from .index import FleetIndex
+from .query import match_json
 
-__all__ = ["index_app", "parse_match", "serve"]
+__all__ = ["index_app", "parse_engines", "run_index", "run_router", "serve"]
 
 log = get_logger(__name__)
-MAX_TOKENS = 1 << 20
-
-
-def parse_match(body: Any, hasher: BlockHasher) -> list[int]:
-    """The block keys a ``/match`` body names; `ValueError` naming the field otherwise."""
-    if not isinstance(body, dict):
-        raise ValueError("body: must be a JSON object with token_ids or block_hashes")
-    if ("token_ids" in body) == ("block_hashes" in body):
-        raise ValueError("body: give exactly one of token_ids and block_hashes")
-    if "token_ids" in body:
-        tokens = body["token_ids"]
-        if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
-            raise ValueError("token_ids: must be a list of non-negative ints")
-        if len(tokens) > MAX_TOKENS:
-            raise ValueError(f"token_ids: at most {MAX_TOKENS} tokens, got {len(tokens)}")
-        return hasher.keys(tokens)
-    hashes = body["block_hashes"]
-    if not isinstance(hashes, list) or len(hashes) > MAX_TOKENS:
-        raise ValueError(f"block_hashes: must be a list of at most {MAX_TOKENS} hex strings")
-    try:
-        return [as_key(bytes.fromhex(h)) for h in hashes]
-    except (TypeError, ValueError):
-        raise ValueError("block_hashes: each must be a hex string") from None
 
 
 def index_app(index: FleetIndex, hasher: BlockHasher, feed: Feed | None = None) -> Any:
     from aiohttp import web
 
-    size = hasher.block_size
-
     async def match(request: web.Request) -> web.Response:
         try:
-            keys = parse_match(await request.json(), hasher)
+            body = await request.json()
+        except ValueError:
+            return web.json_response({"error": "body: must be JSON"}, status=400)
+        try:
+            return web.json_response(match_json(index, hasher, body))
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        m = index.match(keys)
-        return web.json_response(
-            {
-                "blocks": m.blocks,
-                "block_size": size,
-                "gpu": {k: v * size for k, v in m.gpu.items()},
-                "cpu": {k: v * size for k, v in m.cpu.items()},
-                "storage": {k: v * size for k, v in m.storage.items()},
-            }
-        )
 
     async def engines(request: web.Request) -> web.Response:
         unknown = dict(feed.unknown_engines) if feed is not None else {}
