@@ -7,8 +7,8 @@ from the shared tier), or that engine has more than ``max_imbalance`` requests i
 the least loaded one. A prompt no engine holds goes to the least loaded one. The answer
 streams back as the engine sends it; ``x-kvtier-engine`` names the engine and
 ``x-kvtier-route`` why (``local``, ``shared``, ``least-loaded``). A text prompt is turned into
-token ids by an engine's ``/tokenize`` (every engine of a fleet has the same tokenizer). Other paths (``/v1/models``, ``/v1/chat/completions``, ...) go to the least
-loaded engine.
+token ids by an engine's ``/tokenize`` (every engine of a fleet has the same tokenizer).
+Other paths (``/v1/models``, ``/v1/chat/completions``, ...) go to the least loaded engine.
 
 An engine that refuses a connection is marked down, forgotten by the index, and the request
 goes to the next engine; a probe of its ``/health`` every ``probe_interval_s`` brings it back.
