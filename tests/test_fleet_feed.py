@@ -304,8 +304,18 @@ async def test_the_router_sends_a_prompt_where_its_prefix_is_and_survives_a_dead
             index.receive(
                 "a", 0, Batch(0.0, [BlockStored(HASHES, medium="STORAGE", ownership="fs")])
             )
-            _, why, _ = await complete(TOKENS)
-            assert why == "shared"
+            router.upstreams["b"].claimed.clear()  # (b's claims from the calls above)
+            engine, why, _ = await complete(TOKENS)
+            assert (engine, why) == ("a", "shared")
+            # A new prompt, twice, before any event: the second goes where the first went
+            # (the router's claim), not to the other, idler engine.
+            fresh = list(range(1000, 1064))
+            first, why, _ = await complete(fresh)
+            assert why == "least-loaded"
+            again, why, _ = await complete(fresh)
+            assert (again, why) == (first, "local")
+            for upstream in router.upstreams.values():
+                upstream.claimed.clear()
             # The shared tier's copy is deleted; b dies. The router picks b (its CPU tier
             # holds the prefix), finds it refusing, forgets it, and a serves.
             index.receive(

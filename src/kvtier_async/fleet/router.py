@@ -4,7 +4,9 @@ A request to ``/v1/completions`` (a text prompt, or token ids) goes to the engin
 the longest prefix of its prompt on its GPU or in its CPU tier, unless a shared tier holds as
 long a prefix anyway and another engine has fewer requests in flight (then that one loads it
 from the shared tier), or that engine has more than ``max_imbalance`` requests in flight above
-the least loaded one. A prompt no engine holds goes to the least loaded one. The answer
+the least loaded one. A prompt no engine holds goes to the least loaded one. A prompt routed
+to an engine counts as held there for ``CLAIM_S`` seconds, before its KV events arrive, so a
+burst of prompts with one new prefix goes to one engine instead of computing it on each. The answer
 streams back as the engine sends it; ``x-kvtier-engine`` names the engine and
 ``x-kvtier-route`` why (``local``, ``shared``, ``least-loaded``). A text prompt is turned into
 token ids by an engine's ``/tokenize`` (every engine of a fleet has the same tokenizer).
@@ -21,8 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvtier_async._log import RateLimited, get_logger
@@ -35,6 +38,8 @@ __all__ = ["Router"]
 
 log = get_logger(__name__)
 DEFAULT_MAX_IMBALANCE: Final = 4
+CLAIM_S: Final = 10.0  # how long a routed prompt counts as held where it went
+MAX_CLAIMS: Final = 100_000  # keys claimed per engine
 _HOP: Final = frozenset(
     {
         "connection",
@@ -58,6 +63,25 @@ class _Upstream:
     in_flight: int = 0
     routed: int = 0
     failures: int = 0
+    # Keys of prompts routed here whose blocks the index may not have heard of yet (the
+    # engine is still computing them): key -> when the claim lapses.
+    claimed: dict[int, float] = field(default_factory=dict)
+
+    def claim(self, keys: Sequence[int], until: float, limit: int) -> None:
+        for key in keys:
+            self.claimed.pop(key, None)
+            self.claimed[key] = until
+        while len(self.claimed) > limit:
+            del self.claimed[next(iter(self.claimed))]
+
+    def claimed_prefix(self, keys: Sequence[int], now: float) -> int:
+        n = 0
+        for key in keys:
+            until = self.claimed.get(key)
+            if until is None or until < now:
+                break
+            n += 1
+        return n
 
 
 class Router:
@@ -89,16 +113,24 @@ class Router:
 
     # -- routing ------------------------------------------------------------------------------
 
-    def choose(self, match: Match | None) -> tuple[_Upstream, str]:
-        """The engine a prompt with ``match`` goes to, and why; `LookupError` if none is up."""
+    def choose(self, match: Match | None, keys: Sequence[int] = ()) -> tuple[_Upstream, str]:
+        """The engine a prompt with ``match`` (and block ``keys``) goes to, and why;
+        `LookupError` if none is up. An engine holds a prefix when the index says so, or when
+        a prompt with that prefix was routed to it in the last `CLAIM_S` seconds (its blocks
+        may still be computing: the events come after)."""
         live = [u for u in self.upstreams.values() if u.up]
         if not live:
             raise LookupError("no engine is up")
         least = min(live, key=lambda u: (u.in_flight, u.routed))
         if match is None:
             return least, "least-loaded"
-        best = max(live, key=lambda u: (match.local(u.name), -u.in_flight, -u.routed))
-        local, shared = match.local(best.name), match.shared
+        now = time.monotonic()
+
+        def held(u: _Upstream) -> int:
+            return max(match.local(u.name), u.claimed_prefix(keys, now))
+
+        best = max(live, key=lambda u: (held(u), -u.in_flight, -u.routed))
+        local, shared = held(best), match.shared
         if local > shared and best.in_flight - least.in_flight <= self.max_imbalance:
             return best, "local"
         if local and local == shared and best.in_flight <= least.in_flight:
@@ -137,6 +169,7 @@ class Router:
             )
         upstream.up = False
         upstream.failures += 1
+        upstream.claimed.clear()
         self.index.forget(upstream.name)
 
     # -- the HTTP side ------------------------------------------------------------------------
@@ -229,19 +262,22 @@ class Router:
         if not isinstance(body, dict):
             return web.json_response({"error": "the body must be a JSON object"}, status=400)
         tokens = await self._token_ids(body)
-        match = self.index.match(self.hasher.keys(tokens)) if tokens else None
-        return await self._forward(request, raw, match)
+        keys = self.hasher.keys(tokens) if tokens else []
+        match = self.index.match(keys) if tokens else None
+        return await self._forward(request, raw, match, keys)
 
     async def _passthrough(self, request: Any) -> Any:
-        return await self._forward(request, await request.read(), None)
+        return await self._forward(request, await request.read(), None, [])
 
-    async def _forward(self, request: Any, raw: bytes, match: Match | None) -> Any:
+    async def _forward(
+        self, request: Any, raw: bytes, match: Match | None, keys: Sequence[int]
+    ) -> Any:
         from aiohttp import ClientConnectorError, web
 
         tried: set[str] = set()
         while True:
             try:
-                upstream, why = self.choose(match)
+                upstream, why = self.choose(match, keys)
             except LookupError:
                 return web.json_response({"error": "no engine is up"}, status=503)
             if upstream.name in tried:
@@ -250,6 +286,7 @@ class Router:
             headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
             upstream.in_flight += 1
             upstream.routed += 1
+            upstream.claim(keys, time.monotonic() + CLAIM_S, MAX_CLAIMS)
             try:
                 async with self._session.request(
                     request.method,
