@@ -266,6 +266,7 @@ class Outcome:
     shared_hits: float
     failures: int
     routes: collections.Counter[str]
+    why_failed: collections.Counter[str] = field(default_factory=collections.Counter)
 
     @property
     def hit_rate(self) -> float:
@@ -279,18 +280,18 @@ class Outcome:
 
 async def _replay(
     url: str, trace: Sequence[Request]
-) -> tuple[list[float], int, collections.Counter[str]]:
+) -> tuple[list[float], collections.Counter[str], collections.Counter[str]]:
+    """TTFTs, failed requests by what went wrong, routes by why."""
     import aiohttp
 
     ttfts: list[float] = []
     routes: collections.Counter[str] = collections.Counter()
-    failures = 0
+    failures: collections.Counter[str] = collections.Counter()
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         start = time.perf_counter()
 
         async def one(request: Request) -> None:
-            nonlocal failures
             delay = start + request.arrival_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)  # the trace's arrival time
@@ -306,7 +307,8 @@ async def _replay(
             try:
                 async with http.post(f"{url}/v1/completions", json=body) as resp:
                     if resp.status != 200:
-                        failures += 1
+                        text = (await resp.text())[:120]
+                        failures[f"HTTP {resp.status} {text}"] += 1
                         return
                     routes[resp.headers.get("x-kvtier-route", "-")] += 1
                     first = None
@@ -315,8 +317,8 @@ async def _replay(
                             first = time.perf_counter() - sent
                     if first is not None:
                         ttfts.append(first)
-            except (aiohttp.ClientError, TimeoutError):
-                failures += 1
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                failures[f"{type(exc).__name__}: {exc}"[:160]] += 1
 
         await asyncio.gather(*(one(r) for r in trace))
     return ttfts, failures, routes
@@ -353,8 +355,9 @@ def _run_case(
         totals["vllm:prefix_cache_hits_total"],
         totals["vllm:external_prefix_cache_hits_total"],
         shared * BLOCK_TOKENS,
-        failures,
+        failures.total(),
         routes,
+        failures,
     )
 
 
@@ -472,6 +475,8 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
                 f"{outcome.shared_share:.3f}, failures {outcome.failures}, "
                 f"routes {dict(outcome.routes)}"
             )
+            for why, count in outcome.why_failed.items():
+                say(f"fleet {case}: {count} failed: {why}")
     return records + _records(outcomes)
 
 
