@@ -117,6 +117,14 @@ async def connected(feed: Feed, pub: Publisher) -> None:
     await until(lambda: _stats(feed, name).batches >= 1, resend)
 
 
+async def joined(feed: Feed, pub: Publisher) -> None:
+    """Send a batch of an engine the index does not know until the index counts one: then
+    ``pub`` is connected (a PUB drops what it sends before), and nothing of its own was sent."""
+    seen = feed.index.unknown_batches
+    frames = [b"probe", (0).to_bytes(8, "big"), encode_batch(Batch(0.0, []))]
+    await until(lambda: feed.index.unknown_batches > seen, lambda: pub.raw(*frames))
+
+
 def _stats(feed: Feed, name: str) -> Any:
     return next(s for s in feed.index.stats() if s.name == name)
 
@@ -194,14 +202,17 @@ async def test_an_index_started_late_replays_and_a_dead_replay_socket_resyncs() 
     task = asyncio.get_running_loop().create_task(feed.run())
     try:
         for pub in (a, b):
-            payload = encode_batch(Batch(0.0, []))
+            await joined(feed, pub)  # then batch 2 is sent once: a PUB never sends one twice
+            pub.pub.send_multipart(
+                [pub.topic, (2).to_bytes(8, "big"), encode_batch(Batch(0.0, []))]
+            )
 
-            def resend(pub: Publisher = pub, payload: bytes = payload) -> None:
-                pub.pub.send_multipart([pub.topic, (2).to_bytes(8, "big"), payload])
-                if pub.router is not None and pub is a:
-                    pub.serve_replays()
+        def settled() -> bool:
+            return not feed._replays and all(
+                _stats(feed, name).next_seq == 3 for name in ("a", "b")
+            )
 
-            await until(lambda pub=pub: _stats(feed, pub.topic.decode()).next_seq == 3, resend)
+        await until(settled, a.serve_replays)
         m = index.match(HASHER.keys(TOKENS))
         assert (m.gpu["a"], m.cpu["a"], _stats(feed, "a").resyncs) == (6, 6, 0)
         assert (m.gpu["b"], m.cpu["b"], _stats(feed, "b").resyncs) == (0, 0, 1)
