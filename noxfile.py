@@ -57,9 +57,11 @@ C_HELPERS = {
 }
 SANITIZE = ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
             "-fno-omit-frame-pointer", "-O1", "-g")  # fmt: skip
-# What runs the C paths: the fs tier (both I/O paths, each C call), the host copies, the loader.
+# What runs the C paths: the fs tier (both I/O paths, each C call), the host copies and plans,
+# the loader.
 S3_STACK = ("aioboto3", "aiobotocore", "boto3", "botocore", "s3transfer", "moto")
-SANITIZED_TESTS = ("tests/test_tier_fs.py", "tests/test_native.py", "tests/test_beneath.py")
+SANITIZED_TESTS = ("tests/test_tier_fs.py", "tests/test_native.py", "tests/test_beneath.py",
+                   "tests/test_plan_native.py", "tests/test_transfer.py")  # fmt: skip
 
 
 def _fingerprint(*pins: str) -> str:

@@ -12,6 +12,12 @@ synchronously in the calling thread), best of 100 alternating rounds, so that ti
 lost to other processes on a shared machine count for neither; contention for memory
 bandwidth still shows.
 
+The plan rows time a small transfer's fixed cost: the plan of 1, 4 and 16 scattered blocks of
+a 32-layer model (vLLM's per-layer caches, K and V apart: 64 views, so 64 runs a block), as
+a handler makes it (`Planner`: C where it was built), against numpy's planner with its merge
+on the same specs, alternating, and against a budget of 5 us (fixed, not measured); best of
+rounds of many calls, per call, thread CPU time.
+
 A batch is 16 MiB (4 MiB with ``quick``), drawn from buffers four times that size. Keep
 batches below glibc's non-temporal-store threshold (``ld.so --list-tunables``:
 ``x86_non_temporal_threshold``, 114 MiB on the dev VM): above it one big memcpy switches
@@ -34,15 +40,18 @@ import numpy.typing as npt
 
 from kvtier_async.ledger import CPUSpec, GPUSpec
 from kvtier_async.memory import SharedRegion
-from kvtier_async.transfer import HostCopyHandler, HostSlots, canonicalize
+from kvtier_async.transfer import HostCopyHandler, HostSlots, canonicalize, plan_transfer
 
-from .report import BenchRecord, throughput_record
+from .report import BenchRecord, latency_record, throughput_record
 
 __all__ = ["run"]
 
 PAGE_SIZES = (8 << 10, 64 << 10, 256 << 10, 2 << 20)
 TARGET = 0.8
 REFERENCE_NAME = "numpy copyto of the same bytes (one contiguous memcpy)"
+PLAN_BLOCKS = (1, 4, 16)
+PLAN_BUDGET_S = 5e-6
+PLAN_LAYERS = 32
 
 
 def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRecord]:
@@ -55,7 +64,82 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
         pages = max(1, batch_bytes // page)
         with _region(4 * pages, page) as region:
             records += _page_cases(region, page, pages, repeats, say)
+    return records + _plan_cases(quick, say)
+
+
+def _plan_cases(quick: bool, say: Callable[[str], None]) -> list[BenchRecord]:
+    """The plan of a small transfer (see the module docstring), C or numpy, per call."""
+    import torch
+
+    num_blocks = 64
+    caches = {  # vLLM's FlashAttention shape per layer: (2, blocks, tokens, heads, head size)
+        f"layers.{i}": torch.zeros(2, num_blocks, 16, 1, 64, dtype=torch.bfloat16)
+        for i in range(PLAN_LAYERS)
+    }
+    kv = canonicalize(caches)
+    layout = kv.slot_layout(1)
+    slots = torch.zeros(num_blocks, layout.slot_bytes, dtype=torch.uint8)
+    host = HostSlots.from_tensor(slots)
+    handler = HostCopyHandler(kv, host, to_host=True)
+    native = handler.planner_path
+    say(f"copy: plans of {len(kv.views)} views, planner: {native}")
+    rng = np.random.default_rng(7)
+    calls, rounds = (200, 5) if quick else (2000, 20)
+    records = []
+    for blocks in PLAN_BLOCKS:
+        gpu = GPUSpec.of(rng.permutation(num_blocks)[:blocks])
+        cpu = CPUSpec.of(rng.permutation(num_blocks)[:blocks])
+
+        def ours(gpu: GPUSpec = gpu, cpu: CPUSpec = cpu) -> None:
+            handler.plan(gpu, cpu)
+
+        def numpy_plan(gpu: GPUSpec = gpu, cpu: CPUSpec = cpu) -> None:
+            plan_transfer(kv, layout, host, gpu, cpu, to_host=True).merged()
+
+        best_ours, best_numpy = _per_call(ours, numpy_plan, calls, rounds)
+        case = f"plan {blocks} block{'s' if blocks > 1 else ''} ({len(kv.views)} views)"
+        say(f"copy: {case}: {best_ours * 1e6:.1f} us, numpy {best_numpy * 1e6:.1f} us")
+        records.append(
+            latency_record(
+                "copy",
+                f"{case}, {native} vs numpy",
+                "s",
+                best_ours,
+                reference=best_numpy,
+                reference_name="numpy's planner and merge, same specs (measured)",
+                unit="s",
+            )
+        )
+        records.append(
+            latency_record(
+                "copy",
+                f"{case}, {native} vs budget",
+                "s",
+                best_ours,
+                reference=PLAN_BUDGET_S,
+                reference_name="a budget of 5 us per plan (fixed, not measured)",
+                target=1.0,
+                unit="s",
+            )
+        )
+    handler.close()
     return records
+
+
+def _per_call(
+    ours: Callable[[], None], reference: Callable[[], None], calls: int, rounds: int
+) -> tuple[float, float]:
+    """Best seconds per call of each (thread CPU time over ``calls`` calls), alternating."""
+    best = [float("inf"), float("inf")]
+    for function in (ours, reference):
+        function()  # warm up
+    for _ in range(rounds):
+        for side, function in enumerate((ours, reference)):
+            start = time.thread_time()
+            for _ in range(calls):
+                function()
+            best[side] = min(best[side], (time.thread_time() - start) / calls)
+    return best[0], best[1]
 
 
 def _page_cases(

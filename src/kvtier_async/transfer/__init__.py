@@ -33,7 +33,7 @@ from .handlers import (
     TransferResult,
     TransferRouter,
 )
-from .plan import CopyPlan, HostSlots, plan_transfer
+from .plan import CopyPlan, HostSlots, Planner, plan_transfer
 
 __all__ = [
     "BlockCopier",
@@ -53,6 +53,7 @@ __all__ = [
     "HostCopyHandler",
     "HostPlanCopier",
     "HostSlots",
+    "Planner",
     "SlotLayout",
     "TransferError",
     "TransferHandler",

@@ -13,15 +13,15 @@ Handlers plan; the copy itself is run by a plan copier (`kvtier_async.transfer.c
 same code that moves the async API's blocks (`kvtier_async.transfer.blocks`):
 
 `HostCopyHandler` (device caches in CPU memory)
-    Plans the copy (`plan_transfer`) and runs it with a `HostPlanCopier` (the batch copy,
-    which joins contiguous runs, GIL released). A copy of up to ``inline_bytes`` (256 KiB by
-    default: tens of microseconds) runs right in the loop: handing it to a worker thread and
-    back costs two thread wake-ups, measured at about 0.3 ms of CPU per job on a 2-core VM,
-    more than the copy, and in a process that also runs vLLM's scheduler that CPU is taken
-    from it. A larger one runs in a worker thread with ``anyio.to_thread.run_sync``, so the
-    loop stays free. Cancelling the job does not abandon the thread: the awaiting task
-    returns (raising the cancellation) only after the copy has finished, so no copy ever
-    writes after its job reported done.
+    Plans the copy (`Planner`: merged runs, in C where it can) and runs it with a `HostPlanCopier`
+    (the batch copy, which joins contiguous runs, GIL released). A copy of up to ``inline_bytes``
+    (256 KiB by default: tens of microseconds) runs right in the loop: handing it to a worker thread
+    and back costs two thread wake-ups, measured at about 0.3 ms of CPU per job on a 2-core VM, more
+    than the copy, and in a process that also runs vLLM's scheduler that CPU is taken from it. A
+    larger one runs in a worker thread with ``anyio.to_thread.run_sync``, so the loop stays free.
+    Cancelling the job does not abandon the thread: the awaiting task returns (raising the
+    cancellation) only after the copy has finished, so no copy ever writes after its job reported
+    done.
 `CudaCopyHandler`
     Runs its plans with a `CudaPlanCopier`: pooled side streams that wait on the compute
     stream and on the previous transfer, completion through the `EventBridge`, a cancelled
@@ -75,7 +75,7 @@ from .copier import (
     TransferResult,
 )
 from .hostcopy import BatchCopier
-from .plan import CopyPlan, HostSlots, plan_transfer
+from .plan import CopyPlan, HostSlots, Planner
 
 if TYPE_CHECKING:
     import torch
@@ -118,6 +118,7 @@ class TransferHandler(ABC):
                 f"host slots hold {host.slot_bytes} bytes, a block of factor "
                 f"{block_size_factor} needs {self._layout.slot_bytes}"
             )
+        self._planner: Planner | None = Planner(kv, self._layout, host, to_host=to_host)
 
     @property
     def src_medium(self) -> Medium:
@@ -131,19 +132,24 @@ class TransferHandler(ABC):
     def slot_layout(self) -> SlotLayout:
         return self._layout
 
+    @property
+    def planner_path(self) -> str:
+        """``native`` (plans made in C) or ``numpy`` (see `Planner`)."""
+        planner = self._planner
+        return "native" if planner is not None and planner.native else "numpy"
+
     def plan(self, src: Spec, dst: Spec) -> CopyPlan:
         """The merged byte copies of ``src -> dst`` (validates the specs)."""
-        return self._plan(src, dst).merged()
-
-    def _plan(self, src: Spec, dst: Spec) -> CopyPlan:
-        host = self._live_host()
+        planner = self._planner
+        if planner is None:
+            raise RuntimeError(f"{type(self).__name__} is closed")
         gpu, cpu = (src, dst) if self._to_host else (dst, src)
         if not isinstance(gpu, GPUSpec) or not isinstance(cpu, CPUSpec):
             raise ValueError(
                 f"{type(self).__name__} moves {self.src_medium.value} -> "
                 f"{self.dst_medium.value}, got {type(src).__name__} -> {type(dst).__name__}"
             )
-        return plan_transfer(self._kv, self._layout, host, gpu, cpu, to_host=self._to_host)
+        return planner(gpu, cpu)
 
     @abstractmethod
     async def transfer(self, src: Spec, dst: Spec) -> TransferResult:
@@ -156,6 +162,7 @@ class TransferHandler(ABC):
     def close(self) -> None:
         """Release the host memory (so its region can be closed)."""
         self._host = None
+        self._planner = None
 
     def _live_host(self) -> HostSlots:
         if self._host is None:
@@ -194,7 +201,7 @@ class HostCopyHandler(TransferHandler):
         return self._copier.name
 
     async def transfer(self, src: Spec, dst: Spec) -> TransferResult:
-        plan = self._plan(src, dst)
+        plan = self.plan(src, dst)
         if plan.total_bytes <= self._inline_bytes:  # shorter than a thread hand-off
             result = self._copier.run(plan)
         else:
@@ -205,7 +212,7 @@ class HostCopyHandler(TransferHandler):
         return result
 
     def execute(self, src: Spec, dst: Spec) -> TransferResult:
-        return self._copier.run(self._plan(src, dst))
+        return self._copier.run(self.plan(src, dst))
 
 
 class CudaCopyHandler(TransferHandler):

@@ -35,7 +35,7 @@ import numpy.typing as npt
 from kvtier_async._log import get_logger
 from kvtier_async._native import BUILD_ERRORS, disabled, load_library
 
-from .plan import CopyPlan
+from .plan import NATIVE_MODULE, CopyPlan
 
 __all__ = [
     "BatchCopier",
@@ -50,7 +50,7 @@ log = get_logger(__name__)
 
 BatchCopier = Callable[[CopyPlan], None]
 
-MODULE: Final = "kvtier_async.transfer._batch_copy"  # _batch_copy.c, built with the package
+MODULE: Final = NATIVE_MODULE  # _batch_copy.c, built with the package
 _SYMBOL: Final = "kvtier_batch_copy"
 
 

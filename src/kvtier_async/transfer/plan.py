@@ -7,20 +7,35 @@ next to each other. `CopyPlan.merged` then joins triples that continue each othe
 sides (consecutive block ids of a view whose pages are back to back, filling consecutive
 pages of a slot), so a batch of contiguous blocks becomes one copy.
 
+`Planner` gives the merged plan of a handler's transfers (one set of caches, slot layout,
+host slots and direction) in one call into C (``kvtier_plan`` in ``_batch_copy.c``, with
+the GIL held: its work is shorter than a hand-off of the GIL beside a busy scheduler
+thread) where every group's views hold a page in one run, else `plan_transfer` and
+`CopyPlan.merged`; a transfer the C planner refuses (an id out of range, specs that do not
+match) is planned again in numpy, which says what is wrong. A small transfer's plan is the
+fixed cost of every job: numpy's ~25 operations cost 20-45 us where the C call costs a few
+(``kvtier bench copy``'s plan rows). ``KVTIER_NATIVE_COPY=0`` switches it off with the
+batch copy.
+
 Every id is bounds-checked here, before any address is formed: the copy paths write raw
 memory.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
+from kvtier_async._log import get_logger
+from kvtier_async._native import BUILD_ERRORS, disabled, load_library
 from kvtier_async.ledger import CPUSpec, GPUSpec
 
 from .canonical import CanonicalKV, SlotLayout
@@ -30,9 +45,13 @@ if TYPE_CHECKING:
 
     from kvtier_async.memory import SharedRegion
 
-__all__ = ["CopyPlan", "HostSlots", "plan_transfer"]
+__all__ = ["NATIVE_MODULE", "CopyPlan", "HostSlots", "Planner", "native_planning", "plan_transfer"]
+
+log = get_logger(__name__)
 
 IntArray = npt.NDArray[np.int64]
+
+NATIVE_MODULE: Final = "kvtier_async.transfer._batch_copy"  # _batch_copy.c, built with the package
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -42,6 +61,7 @@ class CopyPlan:
     src: IntArray
     dst: IntArray
     size: IntArray
+    joined: bool = False  # no run continues the one before it (`merged` has nothing to do)
 
     def __len__(self) -> int:
         return len(self.size)
@@ -57,17 +77,17 @@ class CopyPlan:
     def merged(self) -> CopyPlan:
         """The same copies with each run of continuing triples joined into one."""
         src, dst, size = self.src, self.dst, self.size
-        if len(size) <= 1:
+        if self.joined or len(size) <= 1:
             return self
         breaks = src[1:] != src[:-1] + size[:-1]
         breaks |= dst[1:] != dst[:-1] + size[:-1]
         (after,) = np.nonzero(breaks)
         if len(after) == len(breaks):
-            return self  # nothing continues anything
+            return CopyPlan(src, dst, size, joined=True)  # nothing continues anything
         starts = np.empty(len(after) + 1, dtype=np.int64)
         starts[0] = 0
         starts[1:] = after + 1
-        return CopyPlan(src[starts], dst[starts], np.add.reduceat(size, starts))
+        return CopyPlan(src[starts], dst[starts], np.add.reduceat(size, starts), joined=True)
 
     @classmethod
     def empty(cls) -> CopyPlan:
@@ -241,6 +261,101 @@ def plan_transfer(
         sizes = np.concatenate(size_parts)
     src, dst = (dev_all, host_all) if to_host else (host_all, dev_all)
     return CopyPlan(src, dst, sizes)
+
+
+class Planner:
+    """The merged plans of one handler's transfers: ``planner(gpu, cpu)`` is
+    ``plan_transfer(kv, layout, host, gpu, cpu, to_host=to_host).merged()`` (see the module
+    docstring for how). Holds ``host``'s memory while it lives, as its handler does."""
+
+    __slots__ = ("_host", "_kv", "_layout", "_meta", "_native", "_spans", "_to_host", "_widest")
+
+    def __init__(
+        self, kv: CanonicalKV, layout: SlotLayout, host: HostSlots, *, to_host: bool
+    ) -> None:
+        self._kv, self._layout, self._host, self._to_host = kv, layout, host, to_host
+        tables = _group_tables(kv, layout)
+        function = _native_plan() if all(table.one_run for table in tables) else None
+        self._native = function
+        meta = [len(tables), layout.factor, host.address, host.stride, host.num_slots, to_host]
+        for table in tables:
+            meta += [len(table.address), table.min_blocks]
+            for row in zip(
+                table.address, table.block_stride, table.page_size, table.offset, strict=True
+            ):
+                meta += [int(value) for value in row]
+        self._meta = (ctypes.c_int64 * len(meta))(*meta)  # read by C on every call
+        self._spans = (ctypes.c_int64 * (2 * len(tables)))()
+        # The most runs a transfer of n blocks can have: n per view of its widest group.
+        self._widest = max((len(table.address) for table in tables), default=0)
+
+    @property
+    def native(self) -> bool:
+        """Whether plans are made in C (else in numpy)."""
+        return self._native is not None
+
+    def __call__(self, gpu: GPUSpec, cpu: CPUSpec) -> CopyPlan:
+        function = self._native
+        blocks, slots = gpu.block_ids, cpu.slot_ids
+        spans = self._spans
+        if (
+            function is None
+            or len(gpu.group_sizes) * 2 != len(spans)
+            or blocks.dtype is not _INT64
+            or slots.dtype is not _INT64
+        ):
+            return self._numpy(gpu, cpu)
+        # (typeshed types an array slice's items as c_int64; ctypes takes ints)
+        spans[0::2] = gpu.group_sizes  # type: ignore[call-overload]
+        spans[1::2] = gpu.block_indices  # type: ignore[call-overload]
+        cap = self._widest * len(blocks)
+        out = np.empty(3 * cap, dtype=np.int64)
+        try:  # a pointer to each array's first id (~0.3 us; ndarray.ctypes.data costs 1.2)
+            first_block = _FIRST(blocks)
+            first_slot = _FIRST(slots)
+            first_out = _FIRST(out)
+        except (TypeError, ValueError, BufferError):  # empty, read-only or strided: numpy's
+            return self._numpy(gpu, cpu)
+        runs = function(
+            self._meta, spans, first_block, len(blocks), first_slot, len(slots), first_out, cap
+        )
+        if runs < 0:
+            return self._numpy(gpu, cpu)  # raises what is wrong (or plans what C refused)
+        return CopyPlan(out[:runs], out[cap : cap + runs], out[2 * cap : 2 * cap + runs], True)
+
+    def _numpy(self, gpu: GPUSpec, cpu: CPUSpec) -> CopyPlan:
+        kv, layout, host = self._kv, self._layout, self._host
+        return plan_transfer(kv, layout, host, gpu, cpu, to_host=self._to_host).merged()
+
+
+def native_planning() -> bool:
+    """Whether `Planner` can plan in C in this process (built, loaded, not switched off)."""
+    return _native_plan() is not None
+
+
+@functools.cache
+def _native_plan() -> Callable[..., int] | None:
+    if disabled("KVTIER_NATIVE_COPY"):
+        return None
+    try:
+        library = load_library(NATIVE_MODULE)
+    except BUILD_ERRORS as exc:
+        log.info("native planning unavailable; plans are made in numpy", error=str(exc))
+        return None
+    try:  # the same library, called with the GIL held (see the module docstring)
+        function = ctypes.PyDLL(NATIVE_MODULE, handle=library._handle).kvtier_plan
+    except AttributeError:  # a build of the helper from before the planner
+        log.info("native planning unavailable; plans are made in numpy", error="no kvtier_plan")
+        return None
+    ids = ctypes.POINTER(ctypes.c_int64)  # takes a c_int64 (by reference) or an array of them
+    function.argtypes = [ids, ids, ids, ctypes.c_int64, ids, ctypes.c_int64, ids, ctypes.c_int64]
+    function.restype = ctypes.c_int64
+    return function
+
+
+_INT64: Final = np.dtype(np.int64)
+# The first element of a C-contiguous, writable array, for a pointer argument.
+_FIRST: Final[Callable[[Any], ctypes.c_int64]] = ctypes.c_int64.from_buffer
 
 
 @dataclass(frozen=True, eq=False)
