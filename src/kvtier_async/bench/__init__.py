@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "fs": "kvtier_async.bench.fs:run",
     "sched": "kvtier_async.bench.sched:run",
     "s3": "kvtier_async.bench.s3:run",
+    "obj": "kvtier_async.bench.obj:run",
     "e2e": "kvtier_async.bench.e2e:run",
     "fleet": "kvtier_async.bench.fleet:run",
 }
@@ -40,6 +41,7 @@ class BenchFn(Protocol):
 # The extras a benchmark needs beyond the base install: `load` names a missing one.
 NEEDS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "s3": (("s3", _extras.S3), ("bench", _extras.BENCH_S3)),
+    "obj": (("s3", _extras.S3),),
     "e2e": (("s3", _extras.S3), ("bench", _extras.BENCH_S3)),
     "fleet": (("fleet", _extras.FLEET),),
 }
