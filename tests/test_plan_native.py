@@ -141,3 +141,43 @@ def test_ids_of_another_dtype_or_stride_are_planned_alike(native: None) -> None:
     for gpu, cpu in cases:
         expected = plan_transfer(kv, layout, host, gpu, cpu, to_host=False).merged()
         _same(planner(gpu, cpu), expected)
+
+
+def test_threads_planning_at_once_get_their_own_plans(native: None) -> None:
+    """One planner, four threads with specs of their own (a factor of 2: first indices
+    matter), every plan checked against numpy's: no call sees another's specs."""
+    import sys
+    import threading
+
+    kv = _kv("LBNHC", two_groups=True)
+    layout = kv.slot_layout(2)
+    host = HostSlots.from_tensor(torch.zeros(NUM_SLOTS, layout.slot_bytes, dtype=torch.uint8))
+    planner = Planner(kv, layout, host, to_host=True)
+    wrong: list[int] = []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(300):
+            sizes = [int(n) for n in rng.integers(1, 6, 2)]
+            firsts = [int(f) for f in rng.integers(0, 2, 2)]
+            gpu, cpu = _specs(rng, sizes, firsts, 2, contiguous=False)
+            expected = plan_transfer(kv, layout, host, gpu, cpu, to_host=True).merged()
+            got = planner(gpu, cpu)
+            if not all(
+                np.array_equal(getattr(got, f), getattr(expected, f))
+                for f in ("src", "dst", "size")
+            ):
+                wrong.append(seed)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(thread.is_alive() for thread in threads)
+    assert wrong == []

@@ -268,7 +268,9 @@ class Planner:
     ``plan_transfer(kv, layout, host, gpu, cpu, to_host=to_host).merged()`` (see the module
     docstring for how). Holds ``host``'s memory while it lives, as its handler does."""
 
-    __slots__ = ("_host", "_kv", "_layout", "_meta", "_native", "_spans", "_to_host", "_widest")
+    __slots__ = (
+        "_groups", "_host", "_kv", "_layout", "_meta", "_native", "_spans", "_to_host", "_widest"
+    )  # fmt: skip
 
     def __init__(
         self, kv: CanonicalKV, layout: SlotLayout, host: HostSlots, *, to_host: bool
@@ -285,7 +287,10 @@ class Planner:
             ):
                 meta += [int(value) for value in row]
         self._meta = (ctypes.c_int64 * len(meta))(*meta)  # read by C on every call
-        self._spans = (ctypes.c_int64 * (2 * len(tables)))()
+        # The type of a call's (count, first index) per group: made per call, not kept, so
+        # that threads planning at once never share one.
+        self._spans = ctypes.c_int64 * (2 * len(tables))
+        self._groups = len(tables)
         # The most runs a transfer of n blocks can have: n per view of its widest group.
         self._widest = max((len(table.address) for table in tables), default=0)
 
@@ -297,17 +302,18 @@ class Planner:
     def __call__(self, gpu: GPUSpec, cpu: CPUSpec) -> CopyPlan:
         function = self._native
         blocks, slots = gpu.block_ids, cpu.slot_ids
-        spans = self._spans
+        sizes, firsts = gpu.group_sizes, gpu.block_indices
         if (
             function is None
-            or len(gpu.group_sizes) * 2 != len(spans)
+            or len(sizes) != self._groups
             or blocks.dtype is not _INT64
             or slots.dtype is not _INT64
         ):
             return self._numpy(gpu, cpu)
-        # (typeshed types an array slice's items as c_int64; ctypes takes ints)
-        spans[0::2] = gpu.group_sizes  # type: ignore[call-overload]
-        spans[1::2] = gpu.block_indices  # type: ignore[call-overload]
+        if len(sizes) == 1:
+            spans = self._spans(sizes[0], firsts[0])
+        else:
+            spans = self._spans(*(v for pair in zip(sizes, firsts, strict=True) for v in pair))
         cap = self._widest * len(blocks)
         out = np.empty(3 * cap, dtype=np.int64)
         try:  # a pointer to each array's first id (~0.3 us; ndarray.ctypes.data costs 1.2)
