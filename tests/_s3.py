@@ -104,13 +104,31 @@ class Injector:
     seen: int = 0
 
     def __call__(self, request: Any, **_: Any) -> AioAWSResponse | None:
-        if self.only_conditional and "If-None-Match" not in request.headers:
+        if self._answer(request.headers) is None:
+            return None
+        return error_response(request, self.status, self.code)
+
+    def fast(self, operation: str, headers: dict[str, str]) -> tuple[int, str] | None:
+        """The same, as a `FastGet` hook."""
+        return self._answer(headers)
+
+    def _answer(self, headers: Any) -> tuple[int, str] | None:
+        if self.only_conditional and "If-None-Match" not in headers:
             return None
         self.seen += 1
         if self.injected >= self.count:
             return None
         self.injected += 1
-        return error_response(request, self.status, self.code)
+        return self.status, self.code
+
+
+def inject(tier: Any, operation: str, hook: Any) -> None:
+    """Register ``hook`` (an `Injector` or a botocore ``before-send`` handler with a ``fast``
+    method) for ``operation`` on an open `S3Tier`, on botocore and, for GETs, on its
+    `FastGet` too."""
+    tier.client.meta.events.register(f"before-send.s3.{operation}", hook)
+    if operation == "GetObject" and tier.fast_get is not None:
+        tier.fast_get.hooks.append(hook.fast)
 
 
 @dataclass(eq=False)
@@ -122,17 +140,32 @@ class RequestLog:
     in_flight: int = 0
     peak: int = 0
 
-    def attach(self, client: Any) -> RequestLog:
+    def attach(self, tier: Any) -> RequestLog:
+        """Count an open `S3Tier`'s requests: botocore's and its `FastGet`'s."""
+        client = tier.client
         client.meta.events.register("before-send.s3", self._before_send)
         client.meta.events.register("after-call.s3", self._after_call)
         client.meta.events.register("after-call-error.s3", self._after_error)
+        if tier.fast_get is not None:
+            tier.fast_get.hooks.append(self._fast_send)
+            tier.fast_get.answered.append(self._fast_answer)
         return self
 
-    def _before_send(self, request: Any, **kwargs: Any) -> None:
-        operation = kwargs["event_name"].rsplit(".", 1)[-1]
+    def _count(self, operation: str) -> None:
         self.sent[operation] = self.sent.get(operation, 0) + 1
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
+
+    def _fast_send(self, operation: str, headers: dict[str, str]) -> None:
+        self._count(operation)
+
+    def _fast_answer(self, operation: str, status: int) -> None:
+        self.in_flight -= 1
+        if status:
+            self.statuses.append((operation, status))
+
+    def _before_send(self, request: Any, **kwargs: Any) -> None:
+        self._count(kwargs["event_name"].rsplit(".", 1)[-1])
 
     def _after_call(self, http_response: Any, model: Any, **_: Any) -> None:
         self.in_flight -= 1

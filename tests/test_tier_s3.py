@@ -32,6 +32,7 @@ from _s3 import (
     Injector,
     RequestLog,
     SilentServer,
+    inject,
     make_blocks,
     make_keys,
     opened,
@@ -55,6 +56,7 @@ from kvtier_async.tiers.s3 import (
     Secret,
     TierOpenError,
 )
+from kvtier_async.tiers.s3.staging import Staging
 
 pytest_plugins = ["conftest_s3"]
 T = TypeVar("T")
@@ -223,7 +225,7 @@ async def test_a_second_store_is_skipped(moto_s3: MotoS3Server, s3_bucket: str) 
         make_blocks(1, CTX.block_bytes),
     )
     async with opened(s3_tier(moto_s3, s3_bucket)) as tier:
-        requests = RequestLog().attach(tier.client)
+        requests = RequestLog().attach(tier)
         assert await tier.store([key], [first]) == [True]
         assert await tier.store([key], [second]) == [True]  # present: reported stored
         assert await tier.load([key], [slot]) == [True]
@@ -343,6 +345,98 @@ async def test_a_corrupt_object_fails_and_is_deleted(
     assert (stats.corrupt_objects, stats.load_failures, stats.blocks_loaded) == (1, 1, 1)
 
 
+# -- GET as the lookup -------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_hit_costs_one_request(moto_s3: MotoS3Server, s3_bucket: str) -> None:
+    keys, blocks, slots = data(5)
+    async with opened(s3_tier(moto_s3, s3_bucket)) as tier:
+        assert await tier.store(keys[:4], blocks[:4]) == [True] * 4
+        requests = RequestLog().attach(tier)
+        assert await tier.lookup(keys) == [True] * 4 + [False]
+        assert await tier.lookup(keys[:2]) == [True, True]  # staged: asked nothing again
+        assert await tier.load(keys[:4], slots[:4]) == [True] * 4
+        stats, staging = tier.statistics(), tier.staging
+    assert requests.sent == {"GetObject": 5}
+    assert all(equal(a, b) for a, b in zip(blocks[:4], slots[:4], strict=True))
+    assert (stats.blocks_staged, stats.staged_loads, stats.blocks_loaded) == (4, 4, 4)
+    assert stats.bytes_staged == stats.bytes_read == 4 * CTX.block_bytes
+    assert (len(staging), staging.in_use) == (0, 0)
+
+
+@pytest.mark.anyio
+async def test_staging_is_bounded_and_falls_back_to_head(
+    moto_s3: MotoS3Server, s3_bucket: str
+) -> None:
+    keys, blocks, slots = data(6)
+    two = 2 * CTX.block_bytes
+    async with opened(s3_tier(moto_s3, s3_bucket, staging_bytes=two, max_concurrency=1)) as tier:
+        assert await tier.store(keys, blocks) == [True] * 6
+        requests = RequestLog().attach(tier)
+        assert await tier.lookup(keys) == [True] * 6  # one at a time: each GET evicts the oldest
+        assert tier.staging.allocated_bytes == two
+        assert [key in tier.staging for key in keys] == [False] * 4 + [True] * 2
+        assert await tier.load(keys, slots) == [True] * 6  # 4 GETs again, 2 copies
+        stats = tier.statistics()
+    assert requests.sent == {"GetObject": 10}
+    assert (stats.staged_evicted, stats.staged_loads) == (4, 2)
+    assert all(equal(a, b) for a, b in zip(blocks, slots, strict=True))
+    keys, blocks, slots = data(8)
+    async with opened(s3_tier(moto_s3, s3_bucket, staging_bytes=two, max_concurrency=8)) as tier:
+        assert await tier.store(keys, blocks) == [True] * 8
+        requests = RequestLog().attach(tier)
+        assert await tier.lookup(keys) == [True] * 8  # 8 at once: 2 GETs hold the buffers
+        assert tier.staging.allocated_bytes == two
+        assert requests.sent["GetObject"] >= 2 and requests.sent["HeadObject"] >= 1
+        assert requests.total == 8
+        assert await tier.load(keys, slots) == [True] * 8
+    assert all(equal(a, b) for a, b in zip(blocks, slots, strict=True))
+    async with opened(s3_tier(moto_s3, s3_bucket, staging_bytes=0)) as tier:
+        requests = RequestLog().attach(tier)
+        assert await tier.lookup(keys[:3]) == [True] * 3
+    assert requests.sent == {"HeadObject": 3}  # staging off: lookups HEAD
+
+
+@pytest.mark.anyio
+async def test_a_lookup_finds_a_corrupt_object_and_deletes_it(
+    moto_s3: MotoS3Server, s3_bucket: str
+) -> None:
+    keys, blocks, slots = data(2)
+    async with opened(s3_tier(moto_s3, s3_bucket)) as tier:
+        assert await tier.store(keys, blocks) == [True, True]
+        name = tier.object_name(keys[0])
+        async with raw_client(moto_s3) as client:
+            good = await (await client.get_object(Bucket=s3_bucket, Key=name))["Body"].read()
+            await client.put_object(Bucket=s3_bucket, Key=name, Body=good[:-1] + b"\x00")
+            assert await tier.lookup(keys) == [False, True]  # not a hit: never promoted
+            assert tier.take_removed() == [keys[0]]
+            listed = await client.list_objects_v2(Bucket=s3_bucket)
+        assert await tier.load(keys[1:], slots[1:]) == [True]
+        stats, staging = tier.statistics(), tier.staging
+    assert [o["Key"] for o in listed["Contents"]] == [tier.object_name(keys[1])]
+    assert (stats.corrupt_objects, stats.blocks_staged, staging.in_use) == (1, 1, 0)
+    assert equal(slots[1], blocks[1])
+
+
+def test_staging_reuses_its_buffers_within_the_bound() -> None:
+    staging = Staging(3 * 100 + 99, 100)  # room for 3 buffers
+    buffers = [staging.acquire() for _ in range(3)]
+    assert all(b is not None and len(b) == 100 for b in buffers)
+    assert staging.acquire() is None  # all three in flight: nothing to evict
+    for key, buffer in zip((b"a", b"b", b"c"), buffers, strict=True):
+        assert buffer is not None
+        staging.stage(key, buffer)
+    assert staging.touch(b"a")  # now the most recent: b is the oldest
+    assert staging.acquire() is buffers[1] and staging.evicted == 1 and b"b" not in staging
+    taken = staging.take(b"a")
+    assert taken is buffers[0] and staging.take(b"a") is None and staging.served == 1
+    staging.release(taken)
+    assert staging.in_use == 1  # the evicted buffer, still held
+    assert staging.acquire() is buffers[0] and staging.allocated_bytes == 300
+    assert Staging(99, 100).acquire() is None  # less than one block: no staging
+
+
 # -- faults ------------------------------------------------------------------------------------
 
 
@@ -350,8 +444,9 @@ async def test_a_corrupt_object_fails_and_is_deleted(
 @pytest.mark.parametrize(
     ("status", "code"), [(503, "SlowDown"), (500, "InternalError"), (429, "TooManyRequests")]
 )
+@pytest.mark.parametrize("staging", [True, False], ids=["get-lookup", "head-lookup"])
 async def test_throttling_and_server_errors_are_retried(
-    moto_s3: MotoS3Server, s3_bucket: str, status: int, code: str
+    moto_s3: MotoS3Server, s3_bucket: str, status: int, code: str, staging: bool
 ) -> None:
     (key,), (block,), (slot,) = (
         make_keys(1),
@@ -361,19 +456,23 @@ async def test_throttling_and_server_errors_are_retried(
     # Budgets far above what three attempts need on a loaded machine: this is about retries
     # (a lookup's default 1 s, retries included, ran out in CI with the machine busy).
     budgets = {"timeout_s": 30.0, "lookup_timeout_s": 30.0}
-    async with opened(s3_tier(moto_s3, s3_bucket, retries=3, **budgets)) as tier:
-        injectors = {
-            op: Injector(status, code, count=2) for op in ("PutObject", "HeadObject", "GetObject")
-        }
+    # With staging the lookup's GET is the load's too; without it, a HEAD and then a GET.
+    ops = ("PutObject", "GetObject") if staging else ("PutObject", "HeadObject", "GetObject")
+    tuning = {} if staging else {"staging_bytes": 0}
+    async with opened(s3_tier(moto_s3, s3_bucket, retries=3, **budgets, **tuning)) as tier:
+        injectors = {op: Injector(status, code, count=2) for op in ops}
         for op, injector in injectors.items():
-            tier.client.meta.events.register(f"before-send.s3.{op}", injector)
+            inject(tier, op, injector)
+        requests = RequestLog().attach(tier)
         assert await tier.store([key], [block]) == [True]
         assert await tier.lookup([key]) == [True]
         assert await tier.load([key], [slot]) == [True]
         stats = tier.statistics()
     assert equal(slot, block)
     assert all(i.injected == 2 and i.seen == 3 for i in injectors.values())
-    assert stats.retries == 6
+    assert stats.retries == 2 * len(ops)
+    assert stats.staged_loads == int(staging)
+    assert sum(requests.sent.get(op, 0) for op in ("HeadObject", "GetObject")) == 3 * (len(ops) - 1)
     assert stats.circuit_state == "closed"
 
 
@@ -397,7 +496,7 @@ async def test_a_store_without_conditional_puts_heads_first(
     async with opened(s3_tier(moto_s3, s3_bucket)) as tier:
         injector = Injector(501, "NotImplemented", count=100, only_conditional=True)
         tier.client.meta.events.register("before-send.s3.PutObject", injector)
-        requests = RequestLog().attach(tier.client)
+        requests = RequestLog().attach(tier)
         assert await tier.store([key], [block]) == [True]
         assert await tier.store([key], [block]) == [True]
         stats = tier.statistics()
@@ -413,11 +512,11 @@ async def test_requests_are_bounded_by_max_concurrency(
 ) -> None:
     keys = make_keys(40)
     async with opened(s3_tier(moto_s3, s3_bucket, max_concurrency=3)) as tier:
-        requests = RequestLog().attach(tier.client)
+        requests = RequestLog().attach(tier)
         async with anyio.create_task_group() as tg:  # two batches at once share the bound
             tg.start_soon(tier.lookup, keys[:20])
             tg.start_soon(tier.lookup, keys[20:])
-    assert requests.sent == {"HeadObject": 40}
+    assert requests.sent == {"GetObject": 40}  # a lookup GETs (40 misses: none staged)
     assert requests.peak == 3
 
 
@@ -437,7 +536,7 @@ async def test_a_stopped_endpoint_opens_the_circuit_and_a_restarted_one_closes_i
     )
     async with opened(tier):
         assert await tier.store(keys[:2], blocks[:2]) == [True, True]
-        requests = RequestLog().attach(tier.client)
+        requests = RequestLog().attach(tier)
         server.stop()
         with anyio.fail_after(10):
             # connection refused: the keys fail, and the failures open the circuit
@@ -501,7 +600,7 @@ async def test_a_cancelled_store_leaves_no_partial_object(
     )
     async with opened(s3_tier(moto_s3, s3_bucket, max_concurrency=2)) as tier:
         third_put = anyio.Event()
-        requests = RequestLog().attach(tier.client)
+        requests = RequestLog().attach(tier)
 
         def watch(**_: Any) -> None:
             if requests.sent.get("PutObject", 0) >= 3:
@@ -571,7 +670,7 @@ async def fails_within_its_bound(
         "lookup": stats.lookup_timeouts - before.lookup_timeouts,
     }
     assert failed[operation] == len(keys)
-    requests = RequestLog().attach(tier.client)
+    requests = RequestLog().attach(tier)
     with anyio.fail_after(SLACK_S):
         if operation == "lookup":
             assert await tier.lookup(keys) == [False] * len(keys)
@@ -663,7 +762,8 @@ async def test_a_silent_endpoint_fails_each_call_within_its_deadline(
         with SilentServer(server.port) as silent:
             await fails_within_its_bound(tier, operation, *targets(operation, keys, blocks, slots))
             await probe_fails_within_its_bound(tier, clock, keys[:4])
-        method = {"store": b"PUT", "load": b"GET", "lookup": b"HEAD"}[operation]
+            assert tier.staging.in_use == 0  # the lookups' buffers came back
+        method = {"store": b"PUT", "load": b"GET", "lookup": b"GET"}[operation]
         assert f"{method.decode()} /silent/".encode() in silent.received
         assert b"expect:" not in silent.received.lower()
         server.start()
@@ -681,7 +781,7 @@ async def test_the_first_timeouts_open_the_circuit_not_the_retries(
     (key,), (block,) = make_keys(1), make_blocks(1, CTX.block_bytes)
     tier = s3_tier(server, "first", timeout_s=0.3, retries=5, breaker_threshold=5)
     async with opened(tier):
-        requests = RequestLog().attach(tier.client)
+        requests = RequestLog().attach(tier)
         server.stop()
         with SilentServer(server.port):
             result, elapsed = await timed(tier.store([key], [block]))

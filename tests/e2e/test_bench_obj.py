@@ -28,7 +28,11 @@ def test_the_quick_run_measures_every_case(monkeypatch: pytest.MonkeyPatch) -> N
             f"{prompt} prompt ({obj.PROMPTS[prompt]} x 256 KiB): lookup + load, local server"
         ]
         assert local.ours > 0 and local.reference is not None and local.reference > 0
-        assert cases[f"{prompt} prompt: client CPU per request (HEAD or GET)"].ours > 0
+        for metric in ("client CPU per request", "requests per block"):
+            record = cases[f"{prompt} prompt: {metric}"]
+            assert record.ours > 0 and record.reference is not None and record.reference > 0
+        assert cases[f"{prompt} prompt: requests per block"].ours == 1  # the lookup's GET
+        assert cases[f"{prompt} prompt: requests per block"].reference == 2
         for rtt in ("5", "20"):
             added = cases[f"{prompt} prompt: round trips added at {rtt} ms RTT"]
             budgeted = prompt == "4k"

@@ -9,12 +9,17 @@ key into page-aligned slots, verified. Each (prompt, RTT) is timed over `ROUNDS`
 prompts, the RTTs interleaved round by round, on warm connections (the first round of each
 RTT is a warm-up: a new connection costs a round trip of its own); the figure is the median.
 
-Records: per prompt, the hit's time at 0 ms (against the same bytes copied in memory: what
-a hit costs at best), the client's CPU per request (this process's CPU time over the HEADs
-and GETs: where the local figure goes), and per RTT the round trips it adds over the 0 ms figure,
-``(t(RTT) - t(0)) / RTT``, against a budget of 3 round trips for the 4k prompt (fixed, not
-measured: issue 40's target). The tier's own settings are the defaults (``max_concurrency``
-16), so each figure shows how the tier's waves of requests add up.
+Two tiers run interleaved, on the same server and prompts: the defaults (a lookup GETs each
+block into staging with the tier's own signed GET, the load copies it: one request per
+block) and, the reference, the tier as it was before (``staging_bytes`` 0 and every request
+through botocore: a lookup HEADs, the load GETs: two). Records: per prompt, the hit's time at
+0 ms (against the same bytes copied in memory, what a hit costs at best, and against the
+reference tier), the requests per block and the client's CPU per request of each tier (this
+process's CPU time over the requests counted: where the local figure goes), and per RTT the
+round trips it adds over the 0 ms figure, ``(t(RTT) - t(0)) / RTT``, against a budget of 3
+round trips for the 4k prompt (fixed, not measured: issue 40's target). The tier's own
+settings are the defaults (``max_concurrency`` 16), so each figure shows how the tier's waves
+of requests add up.
 """
 
 from __future__ import annotations
@@ -46,6 +51,13 @@ ROUNDS: Final = 9
 QUICK_ROUNDS: Final = 3
 RTT_BUDGET: Final = 3.0
 BUDGET_NAME: Final = "a budget of 3 round trips (fixed, not measured)"
+OURS: Final = "get"  # the defaults: a lookup GETs into staging (own GET), the load copies
+HEADED: Final = "head"  # as before: a lookup HEADs, the load GETs, all through botocore
+MODES: Final[dict[str, tuple[dict[str, int], bool]]] = {
+    OURS: ({}, True),
+    HEADED: ({"staging_bytes": 0}, False),  # (config fields, the tier's own GET)
+}
+HEADED_NAME: Final = "a HEAD and a GET per block, all through botocore (same run)"
 
 
 def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRecord]:
@@ -61,69 +73,104 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
     return _records(times, cpu, say)
 
 
+class _Requests:
+    """Counts the requests a tier sends: botocore's (its ``before-send`` event) and its own
+    GET's."""
+
+    def __init__(self, tier: S3Tier) -> None:
+        self._tier = tier
+        self._botocore = 0
+        tier.client.meta.events.register("before-send.s3", self._count)
+
+    def _count(self, **_: object) -> None:
+        self._botocore += 1
+
+    @property
+    def sent(self) -> int:
+        fast = self._tier.fast_get
+        return self._botocore + (fast.sent if fast is not None else 0)
+
+
 async def _measure(
     server: RcloneS3Server, proxy: LatencyProxy, rounds: int, say: Callable[[str], None]
-) -> tuple[dict[tuple[str, float], list[float]], dict[str, list[float]]]:
-    """Seconds per (prompt, RTT), and this process's CPU seconds per request per prompt."""
-    times: dict[tuple[str, float], list[float]] = {}
-    cpu_per_request: dict[str, list[float]] = {}
+) -> tuple[
+    dict[tuple[str, str, float], list[float]], dict[tuple[str, str], list[tuple[float, int]]]
+]:
+    """Seconds per (mode, prompt, RTT); per (mode, prompt) at 0 ms, this process's CPU
+    seconds and the requests sent, per hit."""
+    times: dict[tuple[str, str, float], list[float]] = {}
+    costs: dict[tuple[str, str], list[tuple[float, int]]] = {}
     widest = max(PROMPTS.values())
     blocks, slots = aligned_blocks(widest, BLOCK_BYTES), aligned_blocks(widest, BLOCK_BYTES)
     async with AsyncExitStack() as stack:
-        fields = server.tier_config(port=proxy.port, prefix="bench")
-        tier = S3Tier("obj", TierContext(block_bytes=BLOCK_BYTES), S3Config.parse(fields, "obj"))
-        await tier.open()
-        stack.push_async_callback(tier.aclose)
+        tiers: dict[str, tuple[S3Tier, _Requests]] = {}
+        for mode, (extra, own_get) in MODES.items():
+            fields = server.tier_config(port=proxy.port, prefix="bench", **extra)
+            ctx = TierContext(block_bytes=BLOCK_BYTES)
+            tier = S3Tier("obj", ctx, S3Config.parse(fields, "obj"), own_get=own_get)
+            await tier.open()
+            stack.push_async_callback(tier.aclose)
+            tiers[mode] = tier, _Requests(tier)
         for index in range(rounds + 1):  # round 0: the warm-up
             for prompt, count in PROMPTS.items():
                 for rtt in RTTS_S:
-                    keys = [make_offload_key(os.urandom(32), 0) for _ in range(count)]
-                    proxy.rtt_s = 0.0
-                    if not all(await tier.store(keys, blocks[:count])):
-                        raise RuntimeError("bench obj: a store failed")
-                    proxy.rtt_s = rtt
-                    start, cpu = time.perf_counter(), time.process_time()
-                    found = await tier.lookup(keys)
-                    loaded = await tier.load(keys, slots[:count])
-                    took = time.perf_counter() - start
-                    cpu = time.process_time() - cpu
-                    if not (all(found) and all(loaded)):
-                        raise RuntimeError(f"bench obj: a hit missed ({sum(found)}/{count})")
-                    if any(a.tobytes() != b.tobytes() for a, b in zip(blocks, slots[:count])):
-                        raise RuntimeError("bench obj: a load returned other bytes")
-                    if index:
-                        times.setdefault((prompt, rtt), []).append(took)
-                        if rtt == 0.0:  # a HEAD and a GET per block
-                            cpu_per_request.setdefault(prompt, []).append(cpu / (2 * count))
+                    for mode, (tier, requests) in tiers.items():  # interleaved
+                        keys = [make_offload_key(os.urandom(32), 0) for _ in range(count)]
+                        proxy.rtt_s = 0.0
+                        if not all(await tier.store(keys, blocks[:count])):
+                            raise RuntimeError("bench obj: a store failed")
+                        proxy.rtt_s = rtt
+                        sent = requests.sent
+                        start, cpu = time.perf_counter(), time.process_time()
+                        found = await tier.lookup(keys)
+                        loaded = await tier.load(keys, slots[:count])
+                        took = time.perf_counter() - start
+                        cpu = time.process_time() - cpu
+                        if not (all(found) and all(loaded)):
+                            raise RuntimeError(f"bench obj: a hit missed ({sum(found)}/{count})")
+                        if any(a.tobytes() != b.tobytes() for a, b in zip(blocks, slots[:count])):
+                            raise RuntimeError("bench obj: a load returned other bytes")
+                        if index:
+                            times.setdefault((mode, prompt, rtt), []).append(took)
+                            if rtt == 0.0:
+                                cost = (cpu, requests.sent - sent)
+                                costs.setdefault((mode, prompt), []).append(cost)
             if index:
                 say(
                     f"obj: round {index}/{rounds}: "
                     + ", ".join(
-                        f"{p} @{rtt * 1e3:.0f} ms {times[(p, rtt)][-1] * 1e3:.1f} ms"
+                        f"{p} @{rtt * 1e3:.0f} ms {times[(m, p, rtt)][-1] * 1e3:.1f} ms ({m})"
                         for p in PROMPTS
                         for rtt in RTTS_S
+                        for m in MODES
                     )
                 )
         proxy.rtt_s = 0.0
-    return times, cpu_per_request
+    return times, costs
 
 
 def _records(
-    times: dict[tuple[str, float], list[float]],
-    cpu: dict[str, list[float]],
+    times: dict[tuple[str, str, float], list[float]],
+    costs: dict[tuple[str, str], list[tuple[float, int]]],
     say: Callable[[str], None],
 ) -> list[BenchRecord]:
     records = []
     for prompt, count in PROMPTS.items():
-        local = statistics.median(times[(prompt, 0.0)])
-        per_request = statistics.median(cpu[prompt])
+        local = statistics.median(times[(OURS, prompt, 0.0)])
+        headed = statistics.median(times[(HEADED, prompt, 0.0)])
+        per_request, per_block = _per_request(costs[(OURS, prompt)], count)
+        headed_request, headed_block = _per_request(costs[(HEADED, prompt)], count)
         memory = _memory_copy_s(count)
-        cpu_ms = per_request * 1e3
-        say(f"obj: {prompt} on the local server: {local * 1e3:.1f} ms, {cpu_ms:.2f} ms CPU/request")
+        say(
+            f"obj: {prompt} on the local server: {local * 1e3:.1f} ms ({headed * 1e3:.1f} ms "
+            f"as before), {per_block:g} requests per block ({headed_block:g}), "
+            f"{per_request * 1e3:.2f} ms CPU/request ({headed_request * 1e3:.2f})"
+        )
+        case = f"{prompt} prompt ({count} x 256 KiB): lookup + load, local server"
         records.append(
             latency_record(
                 BENCH,
-                f"{prompt} prompt ({count} x 256 KiB): lookup + load, local server",
+                case,
                 "s",
                 local,
                 reference=memory,
@@ -131,13 +178,49 @@ def _records(
                 unit="s",
             )
         )
-        case = f"{prompt} prompt: client CPU per request (HEAD or GET)"
-        records.append(BenchRecord(BENCH, case, "s", per_request, unit="s"))
+        records.append(
+            latency_record(
+                BENCH,
+                f"{case}, vs a HEAD and a GET through botocore",
+                "s",
+                local,
+                reference=headed,
+                reference_name=HEADED_NAME,
+                unit="s",
+            )
+        )
+        records.append(
+            latency_record(
+                BENCH,
+                f"{prompt} prompt: requests per block",
+                "requests",
+                per_block,
+                reference=headed_block,
+                reference_name=HEADED_NAME,
+                unit="requests",
+            )
+        )
+        records.append(
+            latency_record(
+                BENCH,
+                f"{prompt} prompt: client CPU per request",
+                "s",
+                per_request,
+                reference=headed_request,
+                reference_name=HEADED_NAME,
+                unit="s",
+            )
+        )
         for rtt in RTTS_S[1:]:
-            took = statistics.median(times[(prompt, rtt)])
+            took = statistics.median(times[(OURS, prompt, rtt)])
             added = (took - local) / rtt
+            headed_rtt = statistics.median(times[(HEADED, prompt, rtt)])
             budgeted = prompt == "4k"
-            say(f"obj: {prompt} at {rtt * 1e3:.0f} ms RTT: {took * 1e3:.1f} ms, {added:.1f} RTTs")
+            say(
+                f"obj: {prompt} at {rtt * 1e3:.0f} ms RTT: {took * 1e3:.1f} ms, {added:.1f} RTTs "
+                f"(HEAD and GET: {headed_rtt * 1e3:.1f} ms, "
+                f"{(headed_rtt - headed) / rtt:.1f} RTTs)"
+            )
             records.append(
                 latency_record(
                     BENCH,
@@ -151,6 +234,12 @@ def _records(
                 )
             )
     return records
+
+
+def _per_request(costs: list[tuple[float, int]], count: int) -> tuple[float, float]:
+    """(CPU seconds per request, requests per block) of a prompt's hits, medians."""
+    per_request = statistics.median(cpu / sent for cpu, sent in costs)
+    return per_request, statistics.median(sent for _cpu, sent in costs) / count
 
 
 def _memory_copy_s(count: int) -> float:

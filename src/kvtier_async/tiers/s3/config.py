@@ -2,10 +2,10 @@
 
 Fields are vLLM's ``ObjStoreConfig`` ones (also accepted nested, as vLLM writes them, under
 ``"store_config"``, with ``"io_threads"`` for ``max_concurrency``) and ours (``prefix``,
-``max_concurrency``, ``timeout_s``, ``lookup_timeout_s``, ``retries``); `ConfigError` names a
-bad field. Empty ``access_key``/``secret_key`` use the standard AWS credential chain
-(environment, profile, instance role): the documented way, since hosts log their
-configuration (``vllm serve`` logs ``kv_connector_extra_config`` among its non-default
+``max_concurrency``, ``timeout_s``, ``lookup_timeout_s``, ``retries``, ``staging_bytes``);
+`ConfigError` names a bad field. Empty ``access_key``/``secret_key`` use the standard AWS
+credential chain (environment, profile, instance role): the documented way, since hosts log
+their configuration (``vllm serve`` logs ``kv_connector_extra_config`` among its non-default
 arguments). Credentials given inline are accepted (the tier warns once at ``open``).
 
 *Secrets* are held as `Secret` and never reach a repr, a log line, the statistics, a config
@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_LOOKUP_TIMEOUT_S",
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_RETRIES",
+    "DEFAULT_STAGING_BYTES",
     "DEFAULT_TIMEOUT_S",
     "ObjTierConfig",
     "S3Config",
@@ -43,6 +44,7 @@ DEFAULT_MAX_CONCURRENCY: Final = 16
 DEFAULT_TIMEOUT_S: Final = 5.0
 DEFAULT_LOOKUP_TIMEOUT_S: Final = 1.0  # at most; never more than timeout_s by default
 DEFAULT_RETRIES: Final = 3
+DEFAULT_STAGING_BYTES: Final = 128 << 20  # blocks a lookup fetched, kept for the load
 _DEFAULT_ENDPOINT_REGION: Final = "us-east-1"
 
 
@@ -111,7 +113,8 @@ class StoreConfig(ConfigModel):
 class ObjTierConfig(TierConfig):
     """``{"type": "obj", "bucket": ..., ...}``: vLLM's ``ObjStoreConfig`` fields (flat, or
     nested under ``"store_config"``, with ``"io_threads"`` for ``max_concurrency``) and ours
-    (``prefix``, ``max_concurrency``, ``timeout_s``, ``lookup_timeout_s``, ``retries``).
+    (``prefix``, ``max_concurrency``, ``timeout_s``, ``lookup_timeout_s``, ``retries``,
+    ``staging_bytes``).
     `S3Config.from_config` resolves it (endpoint, scheme, defaults) for the tier."""
 
     type: Literal["obj"] = "obj"
@@ -129,6 +132,7 @@ class ObjTierConfig(TierConfig):
     timeout_s: float = Field(DEFAULT_TIMEOUT_S, ge=0.001, le=3600.0, allow_inf_nan=False)
     lookup_timeout_s: float | None = Field(None, ge=0.001, le=3600.0, allow_inf_nan=False)
     retries: int = Field(DEFAULT_RETRIES, ge=0, le=20)
+    staging_bytes: int = Field(DEFAULT_STAGING_BYTES, ge=0, le=1 << 40)
     store_config: StoreConfig | None = None
 
     @model_validator(mode="after")
@@ -166,6 +170,7 @@ class S3Config:
     timeout_s: float = DEFAULT_TIMEOUT_S
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
     retries: int = DEFAULT_RETRIES
+    staging_bytes: int = DEFAULT_STAGING_BYTES
     path: str = ""  # where the config came from (``secondary_tiers[1]``), for messages
 
     @classmethod
@@ -210,6 +215,7 @@ class S3Config:
             "timeout_s": self.timeout_s,
             "lookup_timeout_s": self.lookup_timeout_s,
             "retries": self.retries,
+            "staging_bytes": self.staging_bytes,
         }
 
     @property
@@ -273,6 +279,7 @@ def _resolve(cfg: ObjTierConfig) -> dict[str, Any]:
         if lookup is None
         else lookup,
         "retries": cfg.retries,
+        "staging_bytes": cfg.staging_bytes,
     }
 
 

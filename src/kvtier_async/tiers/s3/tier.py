@@ -13,14 +13,20 @@ case, and for them this saves the HEAD of HEAD-then-PUT: on moto, 2x the store t
 256 KiB and 1.1x at 2 MiB. A duplicate costs an upload instead of a HEAD. A store that
 answers 501 to conditional PUTs switches the tier to HEAD-then-PUT, once.
 
-*Load* GETs the object and streams it into the slot (`client.read_into`). Length and
-checksums are verified before the key is reported loaded. A corrupt object (wrong length, bad
-header, wrong key or payload checksum) fails its key and is deleted, so later lookups answer
-False, and once the delete succeeded its key is reported by `take_removed` (the cache then
-announces the removal); a missing one fails its key. *Lookup* HEADs each key; keys run
-concurrently, up to ``max_concurrency``. A lookup's HEAD gets ``lookup_timeout_s`` (default
-``min(1.0, timeout_s)``) in all, retries included: a lookup that does not answer in time is a miss,
-counted in ``lookup_timeouts``.
+*Lookup* GETs each key (`staging`): the verified block is staged, up to ``staging_bytes`` of
+them, and the load that the hit starts copies it into the slot with no request, so a hit
+block costs one request, not a HEAD and a GET. When no staging buffer is free (all held by
+GETs in flight; ``staging_bytes`` 0: always) the key is HEADed instead. Keys run
+concurrently, up to ``max_concurrency``. A lookup's request gets ``lookup_timeout_s``
+(default ``min(1.0, timeout_s)``) in all, body and retries included: a lookup that does not
+answer in time is a miss, counted in ``lookup_timeouts``.
+
+*Load* copies a staged block, or else GETs the object and streams it into the slot
+(`client.read_into`). Length and checksums are verified before the key is reported loaded
+(or staged). A corrupt object (wrong length, bad header, wrong key or payload checksum), on
+a load or a lookup, fails its key and is deleted, so later lookups answer False, and once the
+delete succeeded its key is reported by `take_removed` (the cache then announces the
+removal); a missing one fails its key.
 
 *Failures.* Every request goes through `requests.Requests` (deadlines, retries, the circuit
 breaker). While the circuit is open, ``lookup`` answers all False at once and
@@ -74,11 +80,13 @@ from kvtier_async.tiers.s3.client import (
     BlockFileBody,
     check_ca_bundle,
     enter_client,
+    make_session,
     probe_bucket,
     read_into,
 )
 from kvtier_async.tiers.s3.config import ObjTierConfig, S3Config, Scrubber
 from kvtier_async.tiers.s3.errors import CircuitOpenError, TierOpenError
+from kvtier_async.tiers.s3.fastget import FastGet
 from kvtier_async.tiers.s3.requests import (
     DEFAULT_BACKOFF_S,
     Failure,
@@ -87,6 +95,7 @@ from kvtier_async.tiers.s3.requests import (
     code_of,
     status_of,
 )
+from kvtier_async.tiers.s3.staging import Staging
 
 __all__ = ["S3Tier", "S3TierStatistics", "from_config"]
 
@@ -100,12 +109,16 @@ class S3TierStatistics(TierStatistics):
     """`TierStatistics` plus what the obj tier adds."""
 
     blocks_skipped: int = 0  # stores that found the object there already (no upload)
-    corrupt_objects: int = 0  # loads that found a corrupt object (deleted)
+    corrupt_objects: int = 0  # loads and lookups that found a corrupt object (deleted)
     retries: int = 0  # requests sent again after throttling, 5xx or a connection error
     circuit_state: str = "closed"  # closed, open or probing
     circuit_opens: int = 0
     timeouts: int = 0  # attempts (and probes) that got no complete answer in time
-    lookup_timeouts: int = 0  # lookup keys answered as misses because the HEAD timed out
+    lookup_timeouts: int = 0  # lookup keys answered as misses because the request timed out
+    blocks_staged: int = 0  # blocks a lookup's GET fetched and verified, for the load
+    bytes_staged: int = 0
+    staged_loads: int = 0  # loads served from a staged block, with no request
+    staged_evicted: int = 0  # staged blocks dropped unread to make room
     warnings_suppressed: int = 0  # rate-limited warning lines not logged
 
 
@@ -114,7 +127,8 @@ class S3Tier(SecondaryTier):
 
     ``breaker_threshold``, ``breaker_timeouts``, ``breaker_open_s``, ``backoff_s`` (the first
     retry's maximum delay) and ``clock`` (the breaker's, monotonic seconds) are for tuning
-    and tests.
+    and tests; ``own_get`` False sends every GET through botocore (`fastget` is not used: a
+    benchmark's reference).
     """
 
     kind = "obj"
@@ -130,12 +144,15 @@ class S3Tier(SecondaryTier):
         breaker_open_s: float = DEFAULT_BREAKER_OPEN_S,
         backoff_s: float = DEFAULT_BACKOFF_S,
         clock: Callable[[], float] = time.monotonic,
+        own_get: bool = True,
     ) -> None:
         super().__init__(name, ctx, config.max_concurrency, config.max_concurrency)
+        self._own_get = own_get  # False: every GET through botocore (a benchmark's reference)
         self.config = config
         self._warn = RateLimited(log, _WARN_INTERVAL_S)
         self._stack: AsyncExitStack | None = None
         self._client: Any = None
+        self._fast: FastGet | None = None  # GETs without botocore (a custom endpoint)
         self._closed = False
         self._conditional_put = True
         secrets = (config.access_key, config.secret_key, config.session_token)
@@ -145,8 +162,10 @@ class S3Tier(SecondaryTier):
         self._requests = Requests(name, config, breaker, backoff_s, probe, self._describe)
         self._counts = dict.fromkeys(
             ("stored", "skipped", "loaded", "written", "read", "store_failures",
-             "load_failures", "lookups", "hits", "corrupt", "lookup_timeouts"), 0)  # fmt: skip
+             "load_failures", "lookups", "hits", "corrupt", "lookup_timeouts", "fetched"),
+            0)  # fmt: skip
         self._removed = Removed()  # keys of corrupt objects deleted, for take_removed
+        self._staging = Staging(config.staging_bytes, ctx.block_bytes)
 
     def __repr__(self) -> str:
         where = self.config.endpoint_url or "AWS"
@@ -158,6 +177,17 @@ class S3Tier(SecondaryTier):
         if self._client is None:
             raise RuntimeError(f"{self!r} is not open")
         return self._client
+
+    @property
+    def fast_get(self) -> FastGet | None:
+        """The GET path without botocore while open with a custom endpoint, else None (for
+        instrumentation: ``fast_get.hooks``)."""
+        return self._fast
+
+    @property
+    def staging(self) -> Staging:
+        """The blocks lookups fetched for the loads that follow (read-only use)."""
+        return self._staging
 
     def object_name(self, key: bytes) -> str:
         """The object key of block ``key``: ``<prefix>/`` + `block_relpath`."""
@@ -174,10 +204,16 @@ class S3Tier(SecondaryTier):
         await check_ca_bundle(self.config)
         stack = AsyncExitStack()
         try:
-            self._client = await enter_client(stack, self._requests)
+            session = make_session(self.config)
+            self._client = await enter_client(stack, self._requests, session)
             await probe_bucket(self._requests, self._client)
+            credentials = await session.get_credentials()
+            # AWS's own endpoint, or no credentials to sign with: GETs stay on botocore.
+            if self._own_get and self.config.endpoint_override and credentials is not None:
+                region = self._client.meta.region_name
+                self._fast = await FastGet.open(stack, self.config, credentials, region)
         except BaseException:
-            self._client = None
+            self._client = self._fast = None
             with anyio.move_on_after(self.config.timeout_s, shield=True):
                 await stack.aclose()
             raise
@@ -203,7 +239,8 @@ class S3Tier(SecondaryTier):
     async def aclose(self) -> None:
         """Close the client, waiting at most ``timeout_s``; idempotent."""
         self._closed = True
-        stack, self._stack, self._client = self._stack, None, None
+        self._staging.clear()
+        stack, self._stack, self._client, self._fast = self._stack, None, None, None
         if stack is not None:
             with anyio.move_on_after(self.config.timeout_s, shield=True):
                 await stack.aclose()
@@ -220,8 +257,9 @@ class S3Tier(SecondaryTier):
     # -- the contract -------------------------------------------------------------------------
 
     async def lookup(self, keys: Sequence[bytes]) -> list[bool]:
-        """HEAD every key, up to ``max_concurrency`` at a time; an error or an open circuit
-        answers False (a miss), never an exception."""
+        """GET (or HEAD) every key, up to ``max_concurrency`` at a time, staging what
+        arrived for the load; an error or an open circuit answers False (a miss), never an
+        exception."""
         self._require_open()
         self._counts["lookups"] += len(keys)
         try:
@@ -241,7 +279,8 @@ class S3Tier(SecondaryTier):
         return await self._fan_out(lambda i: self._store_one(keys[i], blocks[i]), len(keys))
 
     async def load(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
-        """GET every key into its block and verify it; `CircuitOpenError` while it is open."""
+        """Copy every staged key into its block, GET and verify the others;
+        `CircuitOpenError` while it is open."""
         self._check_batch(keys, blocks)
         await self._requests.admit()
         return await self._fan_out(lambda i: self._load_one(keys[i], blocks[i]), len(keys))
@@ -268,7 +307,8 @@ class S3Tier(SecondaryTier):
                 f"{self.config.endpoint_url or 'AWS'}; {put}; "
                 f"max_concurrency={self.config.max_concurrency} retries={self.config.retries} "
                 f"timeout_s={self.config.timeout_s:g} "
-                f"lookup_timeout_s={self.config.lookup_timeout_s:g}"
+                f"lookup_timeout_s={self.config.lookup_timeout_s:g} "
+                f"staging_bytes={self.config.staging_bytes}"
             ),
             blocks_skipped=counts["skipped"],
             corrupt_objects=counts["corrupt"],
@@ -277,6 +317,10 @@ class S3Tier(SecondaryTier):
             circuit_opens=requests.breaker.opens,
             timeouts=requests.timeouts,
             lookup_timeouts=counts["lookup_timeouts"],
+            blocks_staged=self._staging.staged,
+            bytes_staged=counts["fetched"],
+            staged_loads=self._staging.served,
+            staged_evicted=self._staging.evicted,
             warnings_suppressed=self._warn.suppressed,
         )
 
@@ -308,16 +352,51 @@ class S3Tier(SecondaryTier):
     # -- one key ------------------------------------------------------------------------------
 
     async def _lookup_one(self, key: bytes) -> bool:
+        """GET one key into a staging buffer (a HEAD when none is free), within
+        ``lookup_timeout_s``, retries included; False on any failure."""
+        staging = self._staging
+        if staging.touch(key):
+            return True
+        buffer = staging.acquire()
+        if buffer is None:
+            return await self._head_one(key)
+        staged = False
+        try:
+            staged = await self._fetch(key, buffer)
+        finally:
+            if not staged:
+                staging.release(buffer)
+        return staged
+
+    async def _fetch(self, key: bytes, buffer: bytearray) -> bool:
+        """GET ``key`` into ``buffer`` and stage it: whether it is there, verified."""
+        name = self.object_name(key)
+        get = functools.partial(self._get_into, name, key, memoryview(buffer))
+        try:
+            await self._requests.send(get, budget_s=self.config.lookup_timeout_s)
+        except CorruptBlockError as exc:
+            await self._corrupt(name, key, exc)
+            return False
+        except Exception as exc:
+            if status_of(exc) != 404:
+                self._lookup_failed(key, exc)
+            return False
+        self._staging.stage(key, buffer)
+        self._counts["fetched"] += len(buffer)
+        return True
+
+    async def _head_one(self, key: bytes) -> bool:
         """HEAD one key within ``lookup_timeout_s``, retries included; False on any failure."""
         try:
             return await self._exists(self.object_name(key), self.config.lookup_timeout_s)
-        except CircuitOpenError:
-            return False
         except Exception as exc:
-            if classify(exc) is Failure.TIMEOUT:
-                self._counts["lookup_timeouts"] += 1
-            self._log_failure("obj lookup failed", key, exc)
+            self._lookup_failed(key, exc)
             return False
+
+    def _lookup_failed(self, key: bytes, exc: Exception) -> None:
+        if classify(exc) is Failure.TIMEOUT:
+            self._counts["lookup_timeouts"] += 1
+        self._log_failure("obj lookup failed", key, exc)
 
     async def _store_one(self, key: bytes, block: memoryview) -> bool:
         header = memoryview(bytearray(HEADER_BYTES))
@@ -336,28 +415,35 @@ class S3Tier(SecondaryTier):
         return True
 
     async def _load_one(self, key: bytes, block: memoryview) -> bool:
-        name = self.object_name(key)
-        try:
-            await self._requests.send(functools.partial(self._get_into, name, key, block))
-        except CorruptBlockError as exc:
-            self._counts["corrupt"] += 1
-            self._counts["load_failures"] += 1
-            log.warning(
-                "obj corrupt object deleted", tier=self.name, key=key.hex(), reason=str(exc)
-            )
-            if await self._delete(name):
-                self._removed.add(key, REMOVED_DAMAGED)
-            return False
-        except Exception as exc:
-            self._counts["load_failures"] += 1
-            if status_of(exc) == 404:
-                log.debug("obj load missed", tier=self.name, key=key.hex())
-            else:
-                self._log_failure("obj load failed", key, exc)
-            return False
+        staged = self._staging.take(key)
+        if staged is not None:  # its lookup fetched and verified it: no request
+            block[:] = staged
+            self._staging.release(staged)
+        else:
+            name = self.object_name(key)
+            try:
+                await self._requests.send(functools.partial(self._get_into, name, key, block))
+            except CorruptBlockError as exc:
+                self._counts["load_failures"] += 1
+                await self._corrupt(name, key, exc)
+                return False
+            except Exception as exc:
+                self._counts["load_failures"] += 1
+                if status_of(exc) == 404:
+                    log.debug("obj load missed", tier=self.name, key=key.hex())
+                else:
+                    self._log_failure("obj load failed", key, exc)
+                return False
         self._counts["loaded"] += 1
         self._counts["read"] += block.nbytes
         return True
+
+    async def _corrupt(self, name: str, key: bytes, exc: CorruptBlockError) -> None:
+        """Count a corrupt object and delete it; once deleted, `take_removed` reports it."""
+        self._counts["corrupt"] += 1
+        log.warning("obj corrupt object deleted", tier=self.name, key=key.hex(), reason=str(exc))
+        if await self._delete(name):
+            self._removed.add(key, REMOVED_DAMAGED)
 
     def _log_failure(self, event: str, key: bytes, exc: Exception) -> None:
         level = log.debug if isinstance(exc, CircuitOpenError) else self._warn
@@ -406,17 +492,20 @@ class S3Tier(SecondaryTier):
 
     async def _get_into(self, name: str, key: bytes, block: memoryview) -> None:
         """GET ``name`` into ``block``, streaming; `CorruptBlockError` if it does not verify."""
-        response = await self.client.get_object(Bucket=self.config.bucket, Key=name)
-        stream = response["Body"]
         header = memoryview(bytearray(HEADER_BYTES))
-        try:
-            size, expected = response["ContentLength"], HEADER_BYTES + block.nbytes
-            if size != expected:
-                raise CorruptBlockError(f"object is {size} bytes, expected {expected}")
-            await read_into(stream, header)
-            await read_into(stream, block)
-        finally:
-            stream.close()
+        if self._fast is not None:
+            await self._fast.get_into(name, (header, block))
+        else:
+            response = await self.client.get_object(Bucket=self.config.bucket, Key=name)
+            stream = response["Body"]
+            try:
+                size, expected = response["ContentLength"], HEADER_BYTES + block.nbytes
+                if size != expected:
+                    raise CorruptBlockError(f"object is {size} bytes, expected {expected}")
+                await read_into(stream, header)
+                await read_into(stream, block)
+            finally:
+                stream.close()
         verify_block(header, key, block)
 
     async def _delete(self, name: str) -> bool:
