@@ -57,7 +57,8 @@ def test_the_signature_is_botocores(token: str | None, region: str, path: str) -
 
 
 def rclone_tier(server: RcloneS3Server, **extra: object) -> S3Tier:
-    config = S3Config.parse(server.tier_config(prefix="fastget", **extra), "obj")
+    fields = {"timeout_s": 30.0, "lookup_timeout_s": 30.0, **extra}  # a loaded machine
+    config = S3Config.parse(server.tier_config(prefix="fastget", **fields), "obj")
     return S3Tier("obj", CTX, config, backoff_s=0.001)
 
 

@@ -64,6 +64,9 @@ T = TypeVar("T")
 KIB = 1024
 CTX = TierContext(block_bytes=256 * KIB, model="test/model")
 SLACK_S = 2.0  # over a bound computed from the config: scheduling on a loaded machine
+# Budgets for tests that count on every lookup answering: a lookup's GET carries a body, and a
+# loaded machine's moto may take longer than the default second.
+PATIENT = {"timeout_s": 30.0, "lookup_timeout_s": 30.0}
 
 
 @pytest.fixture
@@ -351,7 +354,7 @@ async def test_a_corrupt_object_fails_and_is_deleted(
 @pytest.mark.anyio
 async def test_a_hit_costs_one_request(moto_s3: MotoS3Server, s3_bucket: str) -> None:
     keys, blocks, slots = data(5)
-    async with opened(s3_tier(moto_s3, s3_bucket)) as tier:
+    async with opened(s3_tier(moto_s3, s3_bucket, **PATIENT)) as tier:
         assert await tier.store(keys[:4], blocks[:4]) == [True] * 4
         requests = RequestLog().attach(tier)
         assert await tier.lookup(keys) == [True] * 4 + [False]
@@ -371,7 +374,8 @@ async def test_staging_is_bounded_and_falls_back_to_head(
 ) -> None:
     keys, blocks, slots = data(6)
     two = 2 * CTX.block_bytes
-    async with opened(s3_tier(moto_s3, s3_bucket, staging_bytes=two, max_concurrency=1)) as tier:
+    tier = s3_tier(moto_s3, s3_bucket, staging_bytes=two, max_concurrency=1, **PATIENT)
+    async with opened(tier):
         assert await tier.store(keys, blocks) == [True] * 6
         requests = RequestLog().attach(tier)
         assert await tier.lookup(keys) == [True] * 6  # one at a time: each GET evicts the oldest
@@ -383,7 +387,8 @@ async def test_staging_is_bounded_and_falls_back_to_head(
     assert (stats.staged_evicted, stats.staged_loads) == (4, 2)
     assert all(equal(a, b) for a, b in zip(blocks, slots, strict=True))
     keys, blocks, slots = data(8)
-    async with opened(s3_tier(moto_s3, s3_bucket, staging_bytes=two, max_concurrency=8)) as tier:
+    tier = s3_tier(moto_s3, s3_bucket, staging_bytes=two, max_concurrency=8, **PATIENT)
+    async with opened(tier):
         assert await tier.store(keys, blocks) == [True] * 8
         requests = RequestLog().attach(tier)
         assert await tier.lookup(keys) == [True] * 8  # 8 at once: 2 GETs hold the buffers
@@ -392,7 +397,7 @@ async def test_staging_is_bounded_and_falls_back_to_head(
         assert requests.total == 8
         assert await tier.load(keys, slots) == [True] * 8
     assert all(equal(a, b) for a, b in zip(blocks, slots, strict=True))
-    async with opened(s3_tier(moto_s3, s3_bucket, staging_bytes=0)) as tier:
+    async with opened(s3_tier(moto_s3, s3_bucket, staging_bytes=0, **PATIENT)) as tier:
         requests = RequestLog().attach(tier)
         assert await tier.lookup(keys[:3]) == [True] * 3
     assert requests.sent == {"HeadObject": 3}  # staging off: lookups HEAD
@@ -403,7 +408,7 @@ async def test_a_lookup_finds_a_corrupt_object_and_deletes_it(
     moto_s3: MotoS3Server, s3_bucket: str
 ) -> None:
     keys, blocks, slots = data(2)
-    async with opened(s3_tier(moto_s3, s3_bucket)) as tier:
+    async with opened(s3_tier(moto_s3, s3_bucket, **PATIENT)) as tier:
         assert await tier.store(keys, blocks) == [True, True]
         name = tier.object_name(keys[0])
         async with raw_client(moto_s3) as client:
