@@ -18,7 +18,7 @@ from kvtier_async.bench.rclone import RcloneS3Server
 from kvtier_async.tiers.base import TierContext
 from kvtier_async.tiers.blockfile import CorruptBlockError
 from kvtier_async.tiers.s3 import S3Config, S3Tier
-from kvtier_async.tiers.s3.fastget import EMPTY_SHA256, FastGet, Signer
+from kvtier_async.tiers.s3.fastget import EMPTY_SHA256, FastGet, Signer, _canonical_host
 from kvtier_async.tiers.s3.requests import code_of, status_of
 
 pytest_plugins = ["conftest_s3"]
@@ -147,3 +147,22 @@ async def test_an_object_of_the_wrong_length_is_corrupt(rclone_s3: RcloneS3Serve
         whole = memoryview(bytearray(100))
         await tier.fast_get.get_into(name, [whole[:40], whole[40:]])
     assert bytes(whole) == b"x" * 100
+
+
+@pytest.mark.parametrize(
+    ("scheme", "host"),
+    [("http", "minio.internal:80"), ("https", "s3.example:443"), ("http", "127.0.0.1:9000"),
+     ("https", "s3.example:80")],
+)  # fmt: skip
+def test_the_signed_host_is_botocores(scheme: str, host: str) -> None:
+    """A default port in ``endpoint_override`` is left out of the signed Host, as botocore
+    leaves it out (and aiohttp's Host header does)."""
+    credentials = Credentials("AKIDEXAMPLE", "secret")
+    request = AWSRequest(
+        method="GET", url=f"{scheme}://{host}/b/k", headers={"X-Amz-Content-SHA256": EMPTY_SHA256}
+    )
+    S3SigV4Auth(credentials, "s3", "us-east-1").add_auth(request)
+    signed = _canonical_host(scheme, host)
+    amz_date = request.context["timestamp"]
+    ours = Signer("us-east-1").headers("GET", signed, "/b/k", credentials, amz_date)
+    assert ours["authorization"] == request.headers["Authorization"]

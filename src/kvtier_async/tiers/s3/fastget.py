@@ -126,7 +126,7 @@ class FastGet:
         self._credentials = credentials  # botocore's (refreshable or not): frozen per request
         self._signer = Signer(region)
         self._session = session
-        self._host = config.endpoint_override
+        self._host = _canonical_host(config.scheme, config.endpoint_override)
         self._base = f"{config.scheme}://{config.endpoint_override}"
         self._bucket = urllib.parse.quote(config.bucket, safe="~")
         self.hooks: list[Hook] = []
@@ -191,6 +191,13 @@ class FastGet:
             if size is None and await response.content.read(1):  # chunked: no length said
                 raise CorruptBlockError(f"object is longer than {expected} bytes")
             return response.status
+
+
+def _canonical_host(scheme: str, host: str) -> str:
+    """``host`` as the Host header says it (and SigV4 signs it): without the scheme's default
+    port, which aiohttp leaves out."""
+    default = {"http": ":80", "https": ":443"}.get(scheme, "")
+    return host.removesuffix(default) if default else host
 
 
 def _client_error(status: int, code: str) -> boto_errors.ClientError:
