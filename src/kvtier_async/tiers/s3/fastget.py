@@ -139,12 +139,10 @@ class FastGet:
     ) -> FastGet:
         """A `FastGet` whose aiohttp session (``max_concurrency`` + 1 connections) closes
         with ``stack``."""
-        context: ssl.SSLContext | bool = True
-        if config.scheme == "https" and config.ca_bundle:
-            context = ssl.create_default_context(cafile=config.ca_bundle)
-        connector = aiohttp.TCPConnector(
-            limit=config.max_concurrency + 1, ssl=context if config.scheme == "https" else False
-        )
+        verify: ssl.SSLContext | bool = config.scheme == "https"  # True: the default CAs
+        if verify and config.ca_bundle:
+            verify = ssl.create_default_context(cafile=config.ca_bundle)
+        connector = aiohttp.TCPConnector(limit=config.max_concurrency + 1, ssl=verify)
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=config.timeout_s, sock_read=config.timeout_s
         )

@@ -162,8 +162,7 @@ class S3Tier(SecondaryTier):
         self._requests = Requests(name, config, breaker, backoff_s, probe, self._describe)
         self._counts = dict.fromkeys(
             ("stored", "skipped", "loaded", "written", "read", "store_failures",
-             "load_failures", "lookups", "hits", "corrupt", "lookup_timeouts", "fetched"),
-            0)  # fmt: skip
+             "load_failures", "lookups", "hits", "corrupt", "lookup_timeouts"), 0)  # fmt: skip
         self._removed = Removed()  # keys of corrupt objects deleted, for take_removed
         self._staging = Staging(config.staging_bytes, ctx.block_bytes)
 
@@ -207,11 +206,12 @@ class S3Tier(SecondaryTier):
             session = make_session(self.config)
             self._client = await enter_client(stack, self._requests, session)
             await probe_bucket(self._requests, self._client)
-            credentials = await session.get_credentials()
             # AWS's own endpoint, or no credentials to sign with: GETs stay on botocore.
-            if self._own_get and self.config.endpoint_override and credentials is not None:
-                region = self._client.meta.region_name
-                self._fast = await FastGet.open(stack, self.config, credentials, region)
+            if self._own_get and self.config.endpoint_override:
+                credentials = await session.get_credentials()
+                if credentials is not None:
+                    region = self._client.meta.region_name
+                    self._fast = await FastGet.open(stack, self.config, credentials, region)
         except BaseException:
             self._client = self._fast = None
             with anyio.move_on_after(self.config.timeout_s, shield=True):
@@ -318,7 +318,7 @@ class S3Tier(SecondaryTier):
             timeouts=requests.timeouts,
             lookup_timeouts=counts["lookup_timeouts"],
             blocks_staged=self._staging.staged,
-            bytes_staged=counts["fetched"],
+            bytes_staged=self._staging.staged * self.ctx.block_bytes,
             staged_loads=self._staging.served,
             staged_evicted=self._staging.evicted,
             warnings_suppressed=self._warn.suppressed,
@@ -382,7 +382,6 @@ class S3Tier(SecondaryTier):
                 self._lookup_failed(key, exc)
             return False
         self._staging.stage(key, buffer)
-        self._counts["fetched"] += len(buffer)
         return True
 
     async def _head_one(self, key: bytes) -> bool:
