@@ -311,13 +311,20 @@ async def test_the_router_sends_a_prompt_where_its_prefix_is_and_survives_a_dead
             assert (engine, why) == ("b", "local") and '"engine": "b"' in text
             engine, why, _ = await complete(" ".join(map(str, TOKENS)))  # via /tokenize
             assert (engine, why) == ("b", "local")
-            # The shared tier holds more than b's CPU: any engine will do, the least loaded.
+            # The shared tier holds more than b's CPU: b, idle, still costs least (it loads
+            # fewer blocks); with prefill queued on b, a loads it all from the shared tier.
             index.receive(
                 "a", 0, Batch(0.0, [BlockStored(HASHES, medium="STORAGE", ownership="fs")])
             )
             router.upstreams["b"].claimed.clear()  # (b's claims from the calls above)
+            assert router.upstreams["b"].pending == 0  # (what the calls above added is gone)
+            engine, why, _ = await complete(TOKENS)
+            assert (engine, why) == ("b", "shared")
+            router.upstreams["b"].claimed.clear()
+            router.upstreams["b"].pending = 3.0  # three blocks of prefill queued on b
             engine, why, _ = await complete(TOKENS)
             assert (engine, why) == ("a", "shared")
+            router.upstreams["b"].pending = 0.0
             # A new prompt, twice, before any event: the second goes where the first went
             # (the router's claim), not to the other, idler engine.
             fresh = list(range(1000, 1064))

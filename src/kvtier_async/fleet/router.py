@@ -1,10 +1,13 @@
 """The reference router: an async HTTP proxy in front of a fleet's engines, routed by the index.
 
-A request to ``/v1/completions`` (a text prompt, or token ids) goes to the engine that holds
-the longest prefix of its prompt on its GPU or in its CPU tier, unless a shared tier holds as
-long a prefix anyway and another engine has fewer requests in flight (then that one loads it
-from the shared tier), or that engine has more than ``max_imbalance`` requests in flight above
-the least loaded one. A prompt no engine holds goes to the least loaded one. A prompt routed
+A request to ``/v1/completions`` (a text prompt, or token ids) goes to the engine where it
+costs least to start: each engine's cost is the prefill work already queued there (blocks of
+prompts routed to it whose first token has not come back) plus this prompt's blocks it would
+compute (those past the longest prefix it holds on its GPU, in its CPU tier, or can load from
+a shared tier), a block loaded from a shared tier counting `SHARED_LOAD_COST` of a computed
+one. So a prompt goes where its prefix is while that engine is not behind, and to an idler
+engine that loads the prefix from the shared tier when it is; an engine with more than
+``max_imbalance`` requests in flight above the least loaded one gets none. A prompt routed
 to an engine counts as held there for ``CLAIM_S`` seconds, before its KV events arrive, so a
 burst of prompts with one new prefix goes to one engine instead of computing it on each. The answer
 streams back as the engine sends it; ``x-kvtier-engine`` names the engine and
@@ -38,6 +41,9 @@ __all__ = ["Router"]
 
 log = get_logger(__name__)
 DEFAULT_MAX_IMBALANCE: Final = 4
+# A block loaded from a shared tier, in computed blocks: on vLLM's CPU build a 2k-token prefix
+# from the fs tier costs 6% of recomputing it, from a local S3 server about 20% (README).
+SHARED_LOAD_COST: Final = 0.2
 CLAIM_S: Final = 10.0  # how long a routed prompt counts as held where it went
 MAX_CLAIMS: Final = 100_000  # keys claimed per engine
 _HOP: Final = frozenset(
@@ -61,6 +67,7 @@ class _Upstream:
     url: str
     up: bool = True
     in_flight: int = 0
+    pending: float = 0.0  # blocks of prefill routed here whose first token has not come back
     routed: int = 0
     failures: int = 0
     # Keys of prompts routed here whose blocks the index may not have heard of yet (the
@@ -113,29 +120,35 @@ class Router:
 
     # -- routing ------------------------------------------------------------------------------
 
-    def choose(self, match: Match | None, keys: Sequence[int] = ()) -> tuple[_Upstream, str]:
-        """The engine a prompt with ``match`` (and block ``keys``) goes to, and why;
-        `LookupError` if none is up. An engine holds a prefix when the index says so, or when
-        a prompt with that prefix was routed to it in the last `CLAIM_S` seconds (its blocks
-        may still be computing: the events come after)."""
+    def choose(self, match: Match | None, keys: Sequence[int] = ()) -> tuple[_Upstream, str, float]:
+        """The engine a prompt with ``match`` (and block ``keys``) goes to, why, and the
+        prefill work it adds there (in blocks); `LookupError` if none is up. An engine holds a
+        prefix when the index says so, or when a prompt with that prefix was routed to it in
+        the last `CLAIM_S` seconds (its blocks may still be computing: the events come after)."""
         live = [u for u in self.upstreams.values() if u.up]
         if not live:
             raise LookupError("no engine is up")
-        least = min(live, key=lambda u: (u.in_flight, u.routed))
+        fewest = min(u.in_flight for u in live)
+        live = [u for u in live if u.in_flight - fewest <= self.max_imbalance]
         if match is None:
-            return least, "least-loaded"
+            least = min(live, key=lambda u: (u.pending, u.in_flight, u.routed))
+            return least, "least-loaded", 1.0
         now = time.monotonic()
-
-        def held(u: _Upstream) -> int:
-            return max(match.local(u.name), u.claimed_prefix(keys, now))
-
-        best = max(live, key=lambda u: (held(u), -u.in_flight, -u.routed))
-        local, shared = held(best), match.shared
-        if local > shared and best.in_flight - least.in_flight <= self.max_imbalance:
-            return best, "local"
-        if local and local == shared and best.in_flight <= least.in_flight:
-            return best, "local"  # the shared tier holds it too, but this engine is as idle
-        return least, "shared" if shared else "least-loaded"
+        shared = match.shared
+        blocks = max(match.blocks, len(keys))
+        best: tuple[float, int, int] | None = None
+        chosen = live[0]
+        chosen_held = work = 0.0
+        for u in live:
+            held = max(match.local(u.name), u.claimed_prefix(keys, now))
+            # Blocks computed here (the tail's partial block always is), then loaded.
+            added = blocks - max(held, shared) + 1 + SHARED_LOAD_COST * max(0, shared - held)
+            rank = (u.pending + added, u.in_flight, u.routed)
+            if best is None or rank < best:
+                best, chosen, chosen_held, work = rank, u, held, added
+        if chosen_held and chosen_held >= shared:
+            return chosen, "local", work
+        return chosen, "shared" if shared else "least-loaded", work
 
     async def _token_ids(self, body: Mapping[str, Any]) -> list[int] | None:
         """The prompt's token ids: given, or from an engine's ``/tokenize``."""
@@ -229,6 +242,7 @@ class Router:
                 "url": u.url,
                 "up": u.up,
                 "in_flight": u.in_flight,
+                "pending_blocks": round(u.pending, 3),
                 "routed": u.routed,
                 "failures": u.failures,
             }
@@ -277,7 +291,7 @@ class Router:
         tried: set[str] = set()
         while True:
             try:
-                upstream, why = self.choose(match, keys)
+                upstream, why, work = self.choose(match, keys)
             except LookupError:
                 return web.json_response({"error": "no engine is up"}, status=503)
             if upstream.name in tried:
@@ -285,6 +299,7 @@ class Router:
             tried.add(upstream.name)
             headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
             upstream.in_flight += 1
+            upstream.pending += work
             upstream.routed += 1
             upstream.claim(keys, time.monotonic() + CLAIM_S, MAX_CLAIMS)
             try:
@@ -302,6 +317,9 @@ class Router:
                     out.headers["x-kvtier-route"] = why
                     await out.prepare(request)
                     async for chunk in resp.content.iter_any():
+                        if work:  # the first token is out: its prefill is done
+                            upstream.pending -= work
+                            work = 0.0
                         await out.write(chunk)
                     await out.write_eof()
                     return out
@@ -309,3 +327,4 @@ class Router:
                 self._down(upstream, str(exc))  # nothing was sent back yet: try the next
             finally:
                 upstream.in_flight -= 1
+                upstream.pending -= work
