@@ -68,7 +68,7 @@ def test_values_are_typed_and_read_once() -> None:
         ({"queue_depth": True}, "queue_depth", "must be an integer, got True"),
         ({"close_timeout_s": float("nan")}, "close_timeout_s", "must be a finite number"),
         ({"store_policy": "all"}, "store_policy", "must be one of 'block_level' or"),
-        ({"eviction_policy": "fifo"}, "eviction_policy", "must be one of ['arc', 'lru'"),
+        ({"eviction_policy": "fifo"}, "eviction_policy", "must be one of ['adaptive', 'arc'"),
         ({"region_dir": ""}, "region_dir", "must be a non-empty string, got ''"),
         ({"colour": 1}, "colour", "unknown key; allowed: ["),
         ({"secondary_tiers": {}}, "secondary_tiers", "must be a list, got dict"),

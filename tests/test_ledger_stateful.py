@@ -15,8 +15,13 @@ from kvtier_async.ledger import (
     PrimaryLedger,
     make_offload_key,
 )
+from kvtier_async.ledger.adaptive import CANDIDATES, AdaptivePolicy
+from kvtier_async.ledger.keyed_policy import KeyedPolicy
 from kvtier_async.ledger.prefix_policy import PrefixPolicy
 from kvtier_async.ledger.reuse_policy import ReusePolicy
+from kvtier_async.ledger.s3fifo import S3FIFOPolicy
+from kvtier_async.ledger.sieve import SievePolicy
+from kvtier_async.ledger.tinylfu import TinyLFUPolicy
 from ledger_requests import live
 
 KEYS = [make_offload_key(i.to_bytes(4, "big"), i % 2) for i in range(12)]
@@ -308,3 +313,116 @@ TestPrefixLedger = PrefixLedgerMachine.TestCase
 TestPrefixLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestReuseLedger = ReuseLedgerMachine.TestCase
 TestReuseLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class KeyedLedgerMachine(PolicyStateMachine):
+    """A policy of the caching literature (`KeyedPolicy`): the ledger's invariants, every
+    held key held once by the policy, and a refused eviction that changes nothing."""
+
+    def policy_state(self) -> tuple[object, ...]:
+        policy = self.ledger.policy
+        assert isinstance(policy, KeyedPolicy)
+        return _keyed_state(policy)
+
+    @invariant()
+    def the_policy_holds_the_ledger_keys(self) -> None:
+        policy = self.ledger.policy
+        assert isinstance(policy, KeyedPolicy)
+        held = set(self.ledger.keys())
+        assert len(policy) == len(held) and all(key in policy for key in held)
+        order = policy.eviction_order()
+        assert sorted(order) == sorted(held)  # each key once
+
+
+def _keyed_state(policy: KeyedPolicy) -> tuple[object, ...]:
+    if isinstance(policy, SievePolicy):
+        return (policy.queue(), policy.hand_key(), sorted(policy._visited))
+    if isinstance(policy, S3FIFOPolicy):
+        return (
+            list(policy.small),
+            list(policy.main),
+            list(policy.ghost),
+            dict(policy.freq),
+            policy.has_evicted,
+        )
+    assert isinstance(policy, TinyLFUPolicy)
+    return (
+        list(policy.window),
+        list(policy.probation),
+        list(policy.protected),
+        bytes(policy.sketch.table),
+        policy.sketch.additions,
+    )
+
+
+class SieveLedgerMachine(KeyedLedgerMachine):
+    policy = "sieve"
+
+    @invariant()
+    def visited_keys_are_held(self) -> None:
+        policy = self.ledger.policy
+        assert isinstance(policy, SievePolicy)
+        assert policy._visited <= set(self.ledger.keys())
+
+
+class S3FIFOLedgerMachine(KeyedLedgerMachine):
+    policy = "s3fifo"
+
+    @invariant()
+    def queues_partition_the_cache(self) -> None:
+        policy = self.ledger.policy
+        assert isinstance(policy, S3FIFOPolicy)
+        held = set(self.ledger.keys())
+        assert set(policy.small) | set(policy.main) == held
+        assert not set(policy.small) & set(policy.main)
+        assert not set(policy.ghost) & held and len(policy.ghost) <= policy.ghost_capacity
+        assert set(policy.freq) == held and min(policy.freq.values(), default=0) >= 0
+
+
+class TinyLFULedgerMachine(KeyedLedgerMachine):
+    policy = "tinylfu"
+
+    @invariant()
+    def segments_partition_the_cache(self) -> None:
+        policy = self.ledger.policy
+        assert isinstance(policy, TinyLFUPolicy)
+        parts = [set(policy.window), set(policy.probation), set(policy.protected)]
+        assert sum(map(len, parts)) == len(set.union(*parts)) == len(self.ledger.keys())
+        assert len(policy.window) <= policy.window_capacity
+        assert len(policy.protected) <= policy.protected_capacity
+
+
+class AdaptiveLedgerMachine(PolicyStateMachine):
+    """``adaptive`` with shadows on every key (a small cache samples all): its live policy
+    holds the ledger's keys whichever it is; a refused eviction changes nothing."""
+
+    policy = "adaptive"
+
+    def policy_state(self) -> tuple[object, ...]:
+        policy = self.ledger.policy
+        assert isinstance(policy, AdaptivePolicy)
+        return (policy.live, policy._policy.eviction_order())  # type: ignore[attr-defined]
+
+    @rule(name=st.sampled_from(sorted(CANDIDATES)))
+    def switch(self, name: str) -> None:
+        policy = self.ledger.policy
+        assert isinstance(policy, AdaptivePolicy)
+        policy._switch(name)
+        assert policy.live == name
+
+    @invariant()
+    def the_live_policy_holds_the_ledger_keys(self) -> None:
+        policy = self.ledger.policy
+        assert isinstance(policy, AdaptivePolicy)
+        order = policy._policy.eviction_order()  # type: ignore[attr-defined]
+        assert sorted(order) == sorted(self.ledger.keys())
+
+
+TestSieveLedger = SieveLedgerMachine.TestCase
+TestSieveLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestS3FIFOLedger = S3FIFOLedgerMachine.TestCase
+TestS3FIFOLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestTinyLFULedger = TinyLFULedgerMachine.TestCase
+TestTinyLFULedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestAdaptiveLedger = AdaptiveLedgerMachine.TestCase
+TestAdaptiveLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -11,7 +11,7 @@ import pytest
 
 from kvtier_async.bench.traces import read_trace
 from kvtier_async.cli import main
-from kvtier_async.ops.plan import NEAR, make_plan, parse_capacities, render_plan
+from kvtier_async.ops.plan import DEFAULT_POLICIES, NEAR, make_plan, parse_capacities, render_plan
 
 
 def chat_trace(path: Path, sessions: int = 40, turns: int = 5, seed: int = 3) -> Path:
@@ -35,7 +35,8 @@ def test_every_policy_lies_between_its_bounds(tmp_path: Path) -> None:
     assert plan.points[-1].blocks == plan.distinct_blocks
     assert 0 < plan.infinite < 1
     for point in plan.points:
-        assert set(point.hit_rates) == {"lru", "arc", "prefix", "reuse"}
+        assert set(point.hit_rates) == set(DEFAULT_POLICIES)
+        assert {"sieve", "s3fifo", "tinylfu", "adaptive"} <= set(DEFAULT_POLICIES)
         assert point.cpu_bytes == point.blocks << 20
         for policy, rate in point.hit_rates.items():
             assert 0 <= rate <= point.belady + 1e-12, (point.blocks, policy)
@@ -66,8 +67,7 @@ def test_the_table_and_the_command(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "plan: 1/2:" in err and "plan: 2/2:" in err  # progress, on stderr
     table = render_plan(make_plan(read_trace(trace), capacities=["10%"]), str)
     assert table.splitlines()[1].split() == [
-        "blocks", "%", "of", "distinct", "lru", "arc", "prefix", "reuse", "belady", "best",
-        "best/infinite",
+        "blocks", "%", "of", "distinct", *DEFAULT_POLICIES, "belady", "best", "best/infinite",
     ]  # fmt: skip
     assert "give --block-bytes" in table and "lru" in out
 

@@ -226,7 +226,7 @@ def _add_fleet(commands: Any) -> None:  # argparse's private _SubParsersAction
                 type=_positive,
                 default=4,
                 help="requests in flight an engine may have above the least "
-                "loaded one and still get a prompt it holds (default 4)",
+                "loaded one and still get a prompt (default 4)",
             )
         service.set_defaults(command=_fleet, service=name)
 
@@ -351,7 +351,8 @@ def _add_operations(commands: Any) -> None:  # argparse's private _SubParsersAct
         "--policies",
         type=_names,
         metavar="LIST",
-        help="eviction policies to compare, comma-separated (default lru,arc,prefix,reuse)",
+        help="eviction policies to compare, comma-separated (default "
+        "lru,arc,prefix,reuse,sieve,s3fifo,tinylfu,adaptive)",
     )
     plan.add_argument(
         "--block-bytes",

@@ -34,8 +34,8 @@ __all__ = ["CacheConfig", "CommonConfig"]
 class CommonConfig(ConfigModel):
     """The fields both faces share.
 
-    - ``eviction_policy``: the CPU tier's policy: ``lru``, ``arc``, ``prefix``, ``reuse`` or
-      ``package.module:ClassName``.
+    - ``eviction_policy``: the CPU tier's policy: ``lru``, ``arc``, ``prefix``, ``reuse``,
+      ``sieve``, ``s3fifo``, ``tinylfu``, ``adaptive`` or ``package.module:ClassName``.
     - ``store_threshold``: how many times a block is seen before it is stored (0 and 1 both
       mean the first time, as in vLLM).
     - ``store_policy``: ``block_level`` (cascade the blocks a request stored) or

@@ -20,6 +20,7 @@ naming the file, the line number and the field.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,13 +48,18 @@ class TraceFile:
 
 
 def read_trace(path: str | Path, fmt: str = "auto") -> TraceFile:
-    """Read a trace file (``fmt``: ``auto``, ``mooncake`` or ``kvtier``)."""
+    """Read a trace file (``fmt``: ``auto``, ``mooncake`` or ``kvtier``; gzip-compressed
+    when its name ends in ``.gz``)."""
     if fmt not in FORMATS:
         raise TraceError(f"trace format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rt", encoding="utf-8") as file:
+                text = file.read()
+        else:
+            text = path.read_text(encoding="utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: cannot read the trace: {exc}") from exc
     requests: list[list[bytes]] = []
     parse: Callable[[dict[str, Any], _Where], list[bytes]] | None = None
@@ -64,7 +70,8 @@ def read_trace(path: str | Path, fmt: str = "auto") -> TraceFile:
         requests.append(parse(obj, where))
     if not requests:
         raise TraceError(f"{path}: no requests in the trace")
-    return TraceFile(path.stem, fmt, requests)
+    name = path.name.removesuffix(".gz")
+    return TraceFile(name.rsplit(".", 1)[0] if "." in name else name, fmt, requests)
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,11 @@ from .keys import prefix_keys
 from .lru import LRUPolicy
 from .policy import CachePolicy, RequestAccess, SlotTable
 from .primary import LedgerStatistics, PrimaryLedger
-from .registry import check_policy, make_policy
+from .registry import BUILTIN_POLICIES, check_policy, make_policy
 from .tiering import StorePolicy, TierCounters, TieringLedger, TierTask
 
 __all__ = [
+    "BUILTIN_POLICIES",
     "ARCPolicy",
     "CPUSpec",
     "CachePolicy",

@@ -131,6 +131,11 @@ class ARCPolicy(CachePolicy):
             n,
         )
 
+    def eviction_order(self) -> list[bytes]:
+        """Every held key, roughly in the order ARC would evict them (T1's oldest first,
+        then T2's; the target size decides between them at each eviction)."""
+        return [*self.t1, *self.t2]
+
     def clear(self) -> None:
         self.target_t1 = 0.0
         for order in (self.t1, self.t2, self.b1, self.b2):

@@ -242,6 +242,10 @@ class LRUPolicy(CachePolicy):
                 self._emptied(bucket)
         return victims
 
+    def eviction_order(self) -> list[bytes]:
+        """Every held key, the next victim first, pins and protection aside."""
+        return [key for bucket in self._buckets.values() for key in bucket.coldest_first()]
+
     def clear(self) -> None:
         self._buckets.clear()
         self._where.clear()

@@ -1,6 +1,8 @@
 """What the primary ledger asks of an eviction policy: the base classes (`CachePolicy`, the
 `SlotTable` it reads, the `RequestAccess` of each request). The built-in policies are `lru`,
-`arc` and `prefix_policy`; `registry` builds them, or your own, by name.
+`arc`, `prefix_policy`, `reuse_policy`, the caching literature's `sieve`, `s3fifo` and
+`tinylfu` (on `keyed_policy`), and `adaptive`, which follows the best of them on a sample of
+the traffic; `registry` builds them, or your own, by name.
 
 Theory of operation
 -------------------

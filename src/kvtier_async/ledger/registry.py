@@ -1,5 +1,6 @@
-"""Policies by name: the built-in ones (``lru``, ``arc``, ``prefix``, ``reuse``) and any
-``package.module:ClassName`` that names a `CachePolicy` subclass.
+"""Policies by name: the built-in ones (``lru``, ``arc``, ``prefix``, ``reuse``, ``sieve``,
+``s3fifo``, ``tinylfu``, ``adaptive``) and any ``package.module:ClassName`` that names a
+`CachePolicy` subclass.
 
 Apart from the policies so that each policy module builds only on `policy` (the base
 classes) and nothing imports in a circle.
@@ -9,24 +10,35 @@ from __future__ import annotations
 
 import importlib
 
+from .adaptive import AdaptivePolicy
 from .arc import ARCPolicy
 from .lru import LRUPolicy
 from .policy import CachePolicy, SlotTable
 from .prefix_policy import PrefixPolicy
 from .reuse_policy import ReusePolicy
+from .s3fifo import S3FIFOPolicy
+from .sieve import SievePolicy
+from .tinylfu import TinyLFUPolicy
 
-__all__ = ["check_policy", "make_policy"]
+__all__ = ["BUILTIN_POLICIES", "check_policy", "make_policy"]
 
 _BUILTIN: dict[str, type[CachePolicy]] = {
+    "adaptive": AdaptivePolicy,
     "lru": LRUPolicy,
     "arc": ARCPolicy,
     "prefix": PrefixPolicy,
     "reuse": ReusePolicy,
+    "s3fifo": S3FIFOPolicy,
+    "sieve": SievePolicy,
+    "tinylfu": TinyLFUPolicy,
 }
+
+#: the built-in policies' names
+BUILTIN_POLICIES: tuple[str, ...] = tuple(_BUILTIN)
 
 
 def make_policy(name: str, capacity: int, table: SlotTable) -> CachePolicy:
-    """Build a policy by name (``lru``, ``arc``, ``prefix``, ``reuse``) or by
+    """Build a policy by name (one of the built-in ones, see the module docstring) or by
     ``package.module:ClassName``."""
     cls = _BUILTIN.get(name)
     if cls is None:

@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.15, 0.20, 0.25, 0.35, 0.50)
-DEFAULT_POLICIES = ("lru", "arc", "prefix", "reuse")
+DEFAULT_POLICIES = ("lru", "arc", "prefix", "reuse", "sieve", "s3fifo", "tinylfu", "adaptive")
 NEAR = 0.95  # "near the infinite cache": this share of its hit rate
 
 

@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 
 from kvtier_async._log import get_logger
 from kvtier_async.config import ConfigError, NonEmptyStr, parse
-from kvtier_async.ledger import check_policy
+from kvtier_async.ledger import BUILTIN_POLICIES, check_policy
 from kvtier_async.settings import CommonConfig
 
 __all__ = ["ConnectorConfig"]
@@ -30,7 +30,7 @@ _VLLM_IGNORED = (
     "tier_poll_interval_s",
     "backpressure",
 )
-_BUILTIN: tuple[object, ...] = ("lru", "arc", "prefix", None)  # None: the default, lru
+_BUILTIN: tuple[object, ...] = (*BUILTIN_POLICIES, None)  # None: the default, lru
 
 
 class ConnectorConfig(CommonConfig):
