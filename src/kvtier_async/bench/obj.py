@@ -213,7 +213,9 @@ def _records(
         )
         for rtt in RTTS_S[1:]:
             took = statistics.median(times[(OURS, prompt, rtt)])
-            added = (took - local) / rtt
+            # (a quick run's noise on a loaded machine can put the delayed median below the
+            # local one: no round trip is added then, not a negative number of them)
+            added = max(0.0, (took - local) / rtt)
             headed_rtt = statistics.median(times[(HEADED, prompt, rtt)])
             budgeted = prompt == "4k"
             say(
