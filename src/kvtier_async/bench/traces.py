@@ -70,8 +70,7 @@ def read_trace(path: str | Path, fmt: str = "auto") -> TraceFile:
         requests.append(parse(obj, where))
     if not requests:
         raise TraceError(f"{path}: no requests in the trace")
-    name = path.name.removesuffix(".gz")
-    return TraceFile(name.rsplit(".", 1)[0] if "." in name else name, fmt, requests)
+    return TraceFile(Path(path.name.removesuffix(".gz")).stem, fmt, requests)
 
 
 @dataclass(frozen=True)

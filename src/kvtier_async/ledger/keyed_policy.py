@@ -25,7 +25,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Collection, Sequence
 
-from .policy import CachePolicy, RequestAccess, SlotTable
+from .policy import CachePolicy, RequestAccess
 
 __all__ = ["KeyedPolicy"]
 
@@ -34,9 +34,6 @@ class KeyedPolicy(CachePolicy):
     """A policy of per-key reads and admissions (see the module docstring)."""
 
     observes_store_misses = False  # a store miss is read by `on_request_access` already
-
-    def __init__(self, capacity: int, table: SlotTable) -> None:
-        super().__init__(capacity, table)
 
     # --- what a policy implements ---------------------------------------------------------
 
