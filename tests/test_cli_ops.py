@@ -35,7 +35,7 @@ from _s3 import Injector, make_blocks, make_keys, opened, raw_client
 from kvtier_async.bench.s3server import MotoS3Server
 from kvtier_async.cli import main
 from kvtier_async.memory import SharedRegion, region_path
-from kvtier_async.memory._owner import OwnerRecord, write_owner
+from kvtier_async.memory.owner import OwnerRecord, write_owner
 from kvtier_async.ops import fsroot, render, s3root
 from kvtier_async.ops.layout import Block, lru_victims
 from kvtier_async.ops.s3root import connect, parse_url

@@ -45,9 +45,9 @@ from kvtier_async.config import ConfigError
 from kvtier_async.ledger import make_offload_key
 from kvtier_async.memory import RegionInUseError, SharedRegion
 from kvtier_async.tiers import blockfile, fs
-from kvtier_async.tiers._checksum import checksum
 from kvtier_async.tiers.base import TierContext, make_tier
 from kvtier_async.tiers.blockfile import block_relpath
+from kvtier_async.tiers.checksum import checksum
 from kvtier_async.tiers.fs import (
     HEADER_BYTES,
     FsTier,

@@ -76,14 +76,8 @@ class CommonConfig(ConfigModel):
             raise ConfigError("", f"must be a list, got {type(value).__name__}")
         tiers: list[TierConfig] = []
         for i, entry in enumerate(value):
-            # a caller's model is copied, so setting its path here leaves the caller's alone
-            tier = (
-                entry.model_copy()
-                if isinstance(entry, TierConfig)
-                else tier_config(entry, f"[{i}]")
-            )
-            tier._path = field_path(cls.TIERS_AT, f"[{i}]")
-            tiers.append(tier)
+            tier = entry if isinstance(entry, TierConfig) else tier_config(entry, f"[{i}]")
+            tiers.append(tier.at(field_path(cls.TIERS_AT, f"[{i}]")))
         return tuple(tiers)
 
 

@@ -39,7 +39,7 @@ from faults._common import (
     private_dir,
     store,
 )
-from kvtier_async.tiers._checksum import checksum
+from kvtier_async.tiers.checksum import checksum
 from kvtier_async.tiers.fs import HEADER_BYTES, FsTier
 from kvtier_async.tiers.fs import native as fs_native
 from test_tier_fs import _craft, block_path

@@ -63,7 +63,7 @@ import anyio
 
 from kvtier_async.ledger import make_offload_key
 from kvtier_async.memory import SharedRegion
-from kvtier_async.tiers._checksum import checksum
+from kvtier_async.tiers.checksum import checksum
 
 from .fs_kit import (
     GB,

@@ -68,7 +68,7 @@ import numpy as np
 
 from kvtier_async.ledger import make_offload_key
 from kvtier_async.memory import SharedRegion
-from kvtier_async.tiers._checksum import checksum
+from kvtier_async.tiers.checksum import checksum
 from kvtier_async.tiers.fs import files as fs_files
 
 from .fs_kit import (
@@ -154,7 +154,7 @@ def _sides(
     note: Callable[[str], None],
 ) -> Sides:
     def ours(directory: str, *, python: bool = False) -> tuple[Phase, Phase]:
-        with _python_path() if python else contextlib.nullcontext():
+        with fs_files.python_io() if python else contextlib.nullcontext():
             phases = anyio.run(run_ours, directory, region, keys, True)
         _check(region, expected, note)
         return phases
@@ -218,17 +218,6 @@ def _records(label: str, samples: Samples, vllm: VllmFs | None) -> list[BenchRec
 
 
 # -- sides -----------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _python_path() -> Iterator[None]:
-    """Tiers opened in the body run the Python path, as with ``KVTIER_NATIVE_FS=0``."""
-    saved = fs_files._native_fsio
-    fs_files._native_fsio = lambda: None
-    try:
-        yield
-    finally:
-        fs_files._native_fsio = saved
 
 
 def _check(region: SharedRegion, expected: dict[int, int], note: Callable[[str], None]) -> None:

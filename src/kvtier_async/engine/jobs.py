@@ -146,7 +146,7 @@ class JobHandle:
         if self._scope is not None:
             self._scope.cancel()
         elif self._result is None:
-            self._resolve(JobResult.cancelled_result(self.job))
+            self.settle(JobResult.cancelled_result(self.job))
 
     async def wait(self) -> JobResult:
         """The result, once the job ended; raises `JobError` if it failed."""
@@ -168,9 +168,16 @@ class JobHandle:
     def __await__(self) -> Generator[Any, None, JobResult]:
         return self.wait().__await__()
 
-    def _resolve(self, result: JobResult) -> bool:
+    def started(self, scope: anyio.CancelScope) -> None:
+        """Called by the lane that runs the job, as it starts it inside ``scope``: `cancel`
+        then cancels the scope, and the lane settles the handle when the work stops."""
+        self._scope = scope
+
+    def settle(self, result: JobResult) -> bool:
         """Record the result and hand it to ``notify`` (the engine, which passes it on to
-        its ``on_result``); False if it was resolved already."""
+        its ``on_result``); False if it was settled already. Called by whoever ends the
+        job (its lane, or the engine for a job no lane took), never by a waiter."""
+        self._scope = None
         if self._result is not None:
             return False
         self._result = result

@@ -166,7 +166,7 @@ class Lane:
 
     async def _run(self, handle: JobHandle, scope: anyio.CancelScope) -> None:
         job, start = handle.job, time.perf_counter()
-        handle._scope = scope
+        handle.started(scope)
         self._running += 1
         try:
             ok, nbytes = await self._execute(job)
@@ -208,12 +208,11 @@ class Lane:
         )
 
     def _finish(self, handle: JobHandle, result: JobResult, start: float) -> None:
-        handle._scope = None
         self._running -= 1
         busy = time.perf_counter() - start
         self._busy_s += busy
         self._count(result, busy)
-        handle._resolve(result)
+        handle.settle(result)
 
     def _count(self, result: JobResult, busy: float) -> None:
         if result.cancelled:
@@ -256,7 +255,7 @@ class Lane:
                     handle = receive.receive_nowait()
                 except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                     break
-                if handle._resolve(JobResult.cancelled_result(handle.job)):
+                if handle.settle(JobResult.cancelled_result(handle.job)):
                     self._cancelled += 1
                     count += 1
         for stream in (*self._reads, *self._writes, *self._bell):

@@ -284,7 +284,7 @@ class ThreadedEngine:
         so that a flush sees it ended."""
         handle = JobHandle(job, self._deliver)
         self._accepted[job.job_id] = handle
-        handle._resolve(JobResult.failure(job, error, cancelled=cancelled))
+        handle.settle(JobResult.failure(job, error, cancelled=cancelled))
 
     async def _flush(self, jobs: list[Job], timeout_s: float, grace_s: float) -> list[Job]:
         assert self.engine is not None

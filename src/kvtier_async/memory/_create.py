@@ -2,7 +2,7 @@
 
 *Creation race.* Each worker tries ``open(O_CREAT | O_EXCL | O_NOFOLLOW)``, mode 0600. The one
 that wins is the creator: it checks free space, writes an owner record beside the file
-(``.owner``, see `kvtier_async.memory._owner`), then ``ftruncate``\\ s the file to its final
+(``.owner``, see `kvtier_async.memory.owner`), then ``ftruncate``\\ s the file to its final
 size, which is what the others wait for. The others open the existing file (``O_NOFOLLOW``: a
 symbolic link there is refused) and refuse it unless it is a regular file owned by this user
 that nobody else may read or write (mode 0600 or narrower), then poll ``fstat`` until the size
@@ -47,15 +47,15 @@ from typing import Final, Literal
 
 from kvtier_async._log import get_logger
 from kvtier_async.memory._files import NOFOLLOW, lock, still_linked, unlink_region
-from kvtier_async.memory._owner import (
+from kvtier_async.memory._reclaim import POLL_MAX_S, reclaim
+from kvtier_async.memory.errors import RegionClaimedError, RegionError, RegionLayoutError
+from kvtier_async.memory.owner import (
     OwnerRecord,
     is_alive,
     owner_path,
     read_owner,
     write_owner,
 )
-from kvtier_async.memory._reclaim import POLL_MAX_S, reclaim
-from kvtier_async.memory.errors import RegionClaimedError, RegionError, RegionLayoutError
 
 __all__ = ["Layout", "Role", "claim", "open_region"]
 

@@ -1,7 +1,7 @@
 """Region files on disk: their names, the ``flock`` every mapper holds, and removing one.
 
 A region is ``<directory>/kvtier_<instance_id>.mmap`` with its owner record beside it
-(`kvtier_async.memory._owner.owner_path`). Every handle holds ``flock(LOCK_SH)`` on the region
+(`kvtier_async.memory.owner.owner_path`). Every handle holds ``flock(LOCK_SH)`` on the region
 file for as long as it maps it, so ``flock(LOCK_EX | LOCK_NB)`` succeeds only when no live
 process maps the file (the kernel drops a process's locks when it dies, ``kill -9`` included).
 A region file is removed record first, then file, and only while the path is still the inode
@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Final
 
-from kvtier_async.memory._owner import owner_path, read_owner
+from kvtier_async.memory.owner import owner_path, read_owner
 
 __all__ = [
     "FILE_RE",

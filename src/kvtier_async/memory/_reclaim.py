@@ -2,7 +2,7 @@
 still maps it.
 
 A handle that finds the region of a dead creator (its owner record names this file, and its
-process is gone: see `kvtier_async.memory._owner.is_alive`) removes it and races to create it
+process is gone: see `kvtier_async.memory.owner.is_alive`) removes it and races to create it
 anew, but only when no live process maps it: reclaimers serialise on ``flock(LOCK_EX)`` of the
 owner record, re-check everything under it, then take ``LOCK_EX | LOCK_NB`` on the region. If
 that fails, a live process still maps the region and the handle raises `StaleRegionError`
@@ -22,8 +22,8 @@ from typing import Final
 
 from kvtier_async._log import get_logger
 from kvtier_async.memory._files import NOFOLLOW, lock, still_linked
-from kvtier_async.memory._owner import OwnerRecord, is_alive, owner_path, read_owner_fd
 from kvtier_async.memory.errors import StaleRegionError
+from kvtier_async.memory.owner import OwnerRecord, is_alive, owner_path, read_owner_fd
 
 __all__ = ["POLL_MAX_S", "reclaim"]
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from kvtier_async._log import get_logger
 from kvtier_async.memory._files import FILE_RE, lock, unlink_region
-from kvtier_async.memory._owner import is_alive, owner_path, read_owner
 from kvtier_async.memory._reclaim import reclaim
 from kvtier_async.memory.errors import StaleRegionError
+from kvtier_async.memory.owner import is_alive, owner_path, read_owner
 
 __all__ = ["find_stale_regions", "remove_stale_regions", "sweep"]
 

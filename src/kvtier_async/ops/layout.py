@@ -31,7 +31,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from kvtier_async.tiers._checksum import checksum
 from kvtier_async.tiers.blockfile import (
     HEADER_BYTES,
     HEADER_SUM_AT,
@@ -41,6 +40,7 @@ from kvtier_async.tiers.blockfile import (
     verify_block,
     wrong_size,
 )
+from kvtier_async.tiers.checksum import checksum
 from kvtier_async.tiers.fs.records import Usage
 from kvtier_async.tiers.fs.tempfiles import TEMP_RE
 

@@ -8,7 +8,7 @@ creator's pid, start time and pid namespace, the file's inode and the layout; se
 - *owner*: ``alive``, ``dead`` (provably: no such process, a zombie, or another process
   under the same pid), ``foreign`` (another pid namespace: its pids mean nothing here),
   ``none`` (no record, or one of an earlier file of that name), judged by the region
-  module's own check (`kvtier_async.memory._owner.is_alive`);
+  module's own check (`kvtier_async.memory.owner.is_alive`);
 - *mapped*: every process that maps a region holds a shared ``flock`` on it, so an exclusive
   non-blocking ``flock`` that succeeds (released at once) proves nobody does. A file of size
   0 is being created (its creator sizes it last) and is not tested; a joiner that meets the
@@ -33,7 +33,7 @@ from typing import Final
 
 from kvtier_async._safefile import SAFE_READ_FLAGS
 from kvtier_async.memory import find_stale_regions, region_path, remove_stale_regions
-from kvtier_async.memory._owner import OwnerRecord, is_alive, read_owner
+from kvtier_async.memory.owner import OwnerRecord, is_alive, read_owner
 from kvtier_async.ops.layout import OpsError
 
 __all__ = ["RegionInfo", "check_directory", "list_regions", "remove_stale"]

@@ -32,7 +32,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from pydantic import ConfigDict, PrivateAttr
 
@@ -163,7 +163,15 @@ class TierConfig(ConfigModel):
 
     @property
     def path(self) -> str:
+        """Where this entry came from (``secondary_tiers[1]``), for messages; see `at`."""
         return self._path
+
+    def at(self, path: str) -> Self:
+        """A copy of this config that names itself ``path`` in messages (the caller's model
+        is left as it was)."""
+        located = self.model_copy()
+        located._path = path
+        return located
 
     def field(self, key: str) -> str:
         """The full name of this tier's config field ``key`` (``secondary_tiers[1].bucket``)."""
@@ -210,9 +218,7 @@ def tier_config(data: object, path: str) -> TierConfig:
         )
     model: type[TierConfig] = _load(kind, 0, path)
     default_name = f"{kind}{path[path.rfind('[') :] if path.endswith(']') else ''}"
-    cfg = parse(model, {"name": default_name, **data}, path)
-    cfg._path = path
-    return cfg
+    return parse(model, {"name": default_name, **data}, path).at(path)
 
 
 def make_tier(

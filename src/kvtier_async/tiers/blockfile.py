@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from kvtier_async.ledger import make_offload_key, split_offload_key
-from kvtier_async.tiers._checksum import CHECKSUM_NAME, checksum
+from kvtier_async.tiers.checksum import CHECKSUM_NAME, checksum
 
 if TYPE_CHECKING:
     from kvtier_async.tiers.base import TierContext

@@ -3,7 +3,7 @@ and the file primitives both I/O paths share (delete only the file that was read
 
 Every system call that a fault-injection test needs to fail goes through a seam of this module
 (``_open``, ``_pwritev``, ``_preadv``; like `memory._create._sleep`): tests replace them, and
-switch the C path off (`kvtier_async.tiers.fs.files._native_fsio`), which calls none of them.
+switch the C path off (`kvtier_async.tiers.fs.files.python_io`), which calls none of them.
 Callers elsewhere in the package use `open_file`, `write_all` and `read_all`, which look the
 seams up at each call.
 

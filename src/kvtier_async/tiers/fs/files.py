@@ -40,14 +40,13 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
 from kvtier_async._beneath import discard, unlink_all
 from kvtier_async._log import RateLimited, get_logger
 from kvtier_async._safefile import SAFE_READ_FLAGS
-from kvtier_async.tiers._checksum import CHECKSUM_NAME
 from kvtier_async.tiers.base import TierContext
 from kvtier_async.tiers.blockfile import (
     HEADER_BYTES,
@@ -55,6 +54,7 @@ from kvtier_async.tiers.blockfile import (
     block_relpath,
     pack_header,
 )
+from kvtier_async.tiers.checksum import CHECKSUM_NAME
 from kvtier_async.tiers.fs import native
 from kvtier_async.tiers.fs.blockio import (
     O_DIRECT,
@@ -105,6 +105,7 @@ __all__ = [
     "WARN_INTERVAL_S",
     "BlockFiles",
     "Reports",
+    "python_io",
 ]
 
 log = get_logger(__name__)
@@ -112,6 +113,24 @@ log = get_logger(__name__)
 WARN_INTERVAL_S: Final = 10.0
 # Tests that inject faults through the seams of `blockio` switch the C path off with it.
 _native_fsio: Callable[[], FsIo | None] = native.native_fsio
+
+
+@contextlib.contextmanager
+def python_io() -> Iterator[None]:
+    """Tiers opened in the body run the Python I/O path, as with ``KVTIER_NATIVE_FS=0``
+    (what `kvtier bench fs` compares the C path with). Not thread-safe: for one caller that
+    opens tiers, not for a running service."""
+    global _native_fsio
+    saved = _native_fsio
+    _native_fsio = _no_native
+    try:
+        yield
+    finally:
+        _native_fsio = saved
+
+
+def _no_native() -> FsIo | None:
+    return None
 
 
 def _warnings() -> RateLimited:
