@@ -109,3 +109,14 @@ int64_t kvtier_plan(const int64_t *meta, const int64_t *spans, const int64_t *bl
     }
     return n;
 }
+
+/* 1 when this file was compiled with optimization (`__OPTIMIZE__`, -O1 and up), else 0:
+   tests/test_native.py fails on a helper built at -O0 (a CFLAGS in the environment replaces
+   Python's own flags; pyproject.toml adds -O3 for that reason). */
+int kvtier_optimized(void) {
+#ifdef __OPTIMIZE__
+    return 1;
+#else
+    return 0;
+#endif
+}

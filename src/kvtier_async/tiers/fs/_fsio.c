@@ -609,3 +609,14 @@ void kvtier_run(void *pool, int32_t kind, void *args) {
     pthread_mutex_unlock(&p->mu);
     pthread_cond_destroy(&j.finished);
 }
+
+/* 1 when this file was compiled with optimization (`__OPTIMIZE__`, -O1 and up), else 0:
+   tests/test_native.py fails on a helper built at -O0 (a CFLAGS in the environment replaces
+   Python's own flags; pyproject.toml adds -O3 for that reason). */
+int kvtier_optimized(void) {
+#ifdef __OPTIMIZE__
+    return 1;
+#else
+    return 0;
+#endif
+}
