@@ -39,6 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "_extras",
         "_mounts",
         "config",
+        "defaults",
     ),
     ("ledger", "memory", "events"),
     ("engine",),

@@ -23,6 +23,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
+from kvtier_async import defaults
 from kvtier_async.config import ConfigError, ConfigModel, NonEmptyStr, field_path, parse
 from kvtier_async.ledger import check_policy
 from kvtier_async.ledger.tiering import StorePolicy
@@ -38,6 +39,7 @@ class CommonConfig(ConfigModel):
       ``sieve``, ``s3fifo``, ``tinylfu``, ``adaptive`` or ``package.module:ClassName``.
     - ``store_threshold``: how many times a block is seen before it is stored (0 and 1 both
       mean the first time, as in vLLM).
+    - ``max_tracker_size``: how many blocks the store-threshold tracker remembers.
     - ``store_policy``: ``block_level`` (cascade the blocks a request stored) or
       ``request_level`` (its hit blocks too).
     - ``secondary_tiers``: the tiers below the CPU tier, in order (``{"type": "fs", ...}``).
@@ -50,14 +52,17 @@ class CommonConfig(ConfigModel):
 
     TIERS_AT: ClassVar[str] = "secondary_tiers"  # the tiers' path, for their messages
 
-    eviction_policy: NonEmptyStr = "lru"
-    store_threshold: int = Field(1, ge=0)
+    eviction_policy: NonEmptyStr = defaults.EVICTION_POLICY
+    store_threshold: int = Field(defaults.STORE_THRESHOLD, ge=0)
+    max_tracker_size: int = Field(defaults.MAX_TRACKER_SIZE, ge=1)
     store_policy: Annotated[StorePolicy, Field(strict=False)] = StorePolicy.BLOCK_LEVEL
     secondary_tiers: tuple[TierConfig, ...] = ()
     instance_id: NonEmptyStr | None = None
-    region_dir: NonEmptyStr = "/dev/shm"
-    queue_depth: int = Field(1024, ge=1, le=1 << 20)
-    close_timeout_s: float = Field(30.0, ge=0.0, le=86400.0, allow_inf_nan=False)
+    region_dir: NonEmptyStr = defaults.REGION_DIR
+    queue_depth: int = Field(defaults.QUEUE_DEPTH, ge=1, le=1 << 20)
+    close_timeout_s: float = Field(
+        defaults.CLOSE_TIMEOUT_S, ge=0.0, le=86400.0, allow_inf_nan=False
+    )
 
     @field_validator("eviction_policy")
     @classmethod
@@ -95,7 +100,7 @@ class CacheConfig(CommonConfig):
     block_bytes: int = Field(ge=1)
     num_slots: int = Field(0, ge=1, validate_default=False)  # 0: from cpu_bytes_to_use
     cpu_bytes_to_use: int | None = Field(None, ge=1)
-    device_workers: int = Field(2, ge=1, le=64)
+    device_workers: int = Field(defaults.DEVICE_WORKERS, ge=1, le=64)
     model: NonEmptyStr = "kvtier-demo"
 
     @model_validator(mode="after")

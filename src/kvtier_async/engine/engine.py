@@ -24,6 +24,7 @@ from types import TracebackType
 import anyio
 import anyio.lowlevel
 
+from kvtier_async import defaults
 from kvtier_async._log import get_logger
 
 from .backend import TierBackend
@@ -51,8 +52,8 @@ class Engine:
         block_view: BlockView,
         *,
         device: Executor | None = None,
-        device_workers: int = 2,
-        queue_depth: int = 256,
+        device_workers: int = defaults.DEVICE_WORKERS,
+        queue_depth: int = defaults.QUEUE_DEPTH,
         on_result: Callable[[JobResult], None] | None = None,
     ) -> None:
         self.tiers = list(tiers)

@@ -77,6 +77,8 @@ from typing import NamedTuple, cast
 
 import numpy as np
 
+from kvtier_async import defaults
+
 from ._types import CPUSpec, LedgerError, LookupResult, Medium, OffloadingEvent, PrepareStoreOutput
 from .policies import CachePolicy, RequestAccess, SlotTable
 from .registry import make_policy
@@ -110,9 +112,9 @@ class PrimaryLedger:
         self,
         num_slots: int,
         *,
-        policy: str = "lru",
-        store_threshold: int = 1,
-        max_tracker_size: int = 64_000,
+        policy: str = defaults.EVICTION_POLICY,
+        store_threshold: int = defaults.STORE_THRESHOLD,
+        max_tracker_size: int = defaults.MAX_TRACKER_SIZE,
         medium: Medium = Medium.CPU,
     ) -> None:
         if num_slots < 1:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Literal
+from typing import Final, Literal
 
 import anyio
 from pydantic import Field
@@ -22,6 +22,9 @@ from pydantic import Field
 from .base import SecondaryTier, TierConfig, TierContext, TierStatistics
 
 __all__ = ["MemoryTier", "MemoryTierConfig", "from_config"]
+
+
+DEFAULT_WORKERS: Final = 2  # read and write workers each
 
 
 class MemoryTier(SecondaryTier):
@@ -32,8 +35,8 @@ class MemoryTier(SecondaryTier):
         name: str,
         ctx: TierContext,
         *,
-        read_workers: int = 2,
-        write_workers: int = 2,
+        read_workers: int = DEFAULT_WORKERS,
+        write_workers: int = DEFAULT_WORKERS,
         latency_s: float = 0.0,
         lookup_latency_s: float = 0.0,
         fail_rate: float = 0.0,
@@ -154,8 +157,8 @@ class MemoryTierConfig(TierConfig):
     lookup_latency_s: float = Field(0.0, ge=0.0, le=60.0, allow_inf_nan=False)
     fail_rate: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     capacity_bytes: int | None = Field(None, ge=1)
-    n_read_workers: int = Field(2, ge=1, le=256)
-    n_write_workers: int = Field(2, ge=1, le=256)
+    n_read_workers: int = Field(DEFAULT_WORKERS, ge=1, le=256)
+    n_write_workers: int = Field(DEFAULT_WORKERS, ge=1, le=256)
     seed: int = Field(0, ge=0)
 
 

@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from kvtier_async import defaults
 from kvtier_async._log import get_logger
 from kvtier_async.config import ConfigError, NonEmptyStr, parse
 from kvtier_async.ledger import BUILTIN_POLICIES, check_policy
@@ -36,7 +37,7 @@ _BUILTIN: tuple[object, ...] = (*BUILTIN_POLICIES, None)  # None: the default, l
 class ConnectorConfig(CommonConfig):
     """``kv_connector_extra_config`` validated: the `CommonConfig` fields, vLLM's
     OffloadingConnector keys (``spec_name``, ``cpu_bytes_to_use``, ``block_size``,
-    ``offload_prompt_only``, ``max_tracker_size``, ``cache_policy_module_path``,
+    ``offload_prompt_only``, ``cache_policy_module_path``,
     ``sync_load_budget_bytes``) and the connector's own (``wait_timeout_s``: how long a
     worker waits on the scheduler's region; ``worker_copies``: ``auto``, ``engine`` or
     ``inline``)."""
@@ -47,10 +48,9 @@ class ConnectorConfig(CommonConfig):
     cpu_bytes_to_use: int = Field(ge=1)
     block_size: int | None = Field(None, ge=1)
     offload_prompt_only: bool = True
-    max_tracker_size: int = Field(64_000, ge=1)
     cache_policy_module_path: NonEmptyStr | None = None
     sync_load_budget_bytes: int = Field(0, ge=0)
-    wait_timeout_s: float = Field(60.0, ge=0.001, allow_inf_nan=False)
+    wait_timeout_s: float = Field(defaults.WAIT_TIMEOUT_S, ge=0.001, allow_inf_nan=False)
     worker_copies: Literal["auto", "engine", "inline"] = "auto"
 
     @model_validator(mode="before")
