@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ledger", "memory", "events"),
     ("engine",),
     ("tiers", "transfer", "kernels"),
-    ("api", "integrations", "metrics", "settings", "vllm", "fleet"),
+    ("api", "assembly", "integrations", "metrics", "settings", "vllm", "fleet"),
     ("cli", "demo", "doctor", "ops", "bench"),
 )
 LEVEL = {part: level for level, parts in enumerate(LAYERS) for part in parts}

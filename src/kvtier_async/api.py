@@ -51,12 +51,12 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvtier_async._log import get_logger
+from kvtier_async.assembly import assemble
 from kvtier_async.engine import Engine, Job, JobError, JobResult, LaneStatistics, TaskRunner
 from kvtier_async.events import KVEvent, to_kv_events
 from kvtier_async.ledger import (
     JobKind,
     LedgerStatistics,
-    PrimaryLedger,
     TieringLedger,
 )
 from kvtier_async.memory import SharedRegion, close_region
@@ -69,7 +69,7 @@ from kvtier_async.metrics import (
     tier_metrics,
 )
 from kvtier_async.settings import CacheConfig
-from kvtier_async.tiers.base import SecondaryTier, TierContext, make_tier
+from kvtier_async.tiers.base import SecondaryTier, TierContext
 from kvtier_async.transfer.blocks import BlockCopier, DeviceBlock
 from kvtier_async.transfer.plan import HostSlots
 
@@ -144,21 +144,14 @@ class TieredKVCache:
         )
         try:
             self._blocks = BlockCopier(HostSlots.from_region(region), cfg.block_bytes)
-            tiers = [make_tier(t, ctx) for t in cfg.secondary_tiers]
-            primary = PrimaryLedger(
-                cfg.num_slots, policy=cfg.eviction_policy, store_threshold=cfg.store_threshold
-            )
-            self._ledger = TieringLedger(
-                primary, [t.name for t in tiers], store_policy=cfg.store_policy
-            )
+            parts = assemble(cfg, cfg.num_slots, ctx)
+            tiers, self._ledger = parts.tiers, parts.ledger
             self._ledger.events_enabled = False  # on while somebody listens: see `events`
-            runner = TaskRunner(self._ledger, tiers, on_applied=self._applied)
-            engine = Engine(
-                tiers,
+            runner = parts.runner(on_applied=self._applied)
+            engine = parts.engine(
                 self._block_view,
                 device=self._copy,
                 device_workers=cfg.device_workers,
-                queue_depth=cfg.queue_depth,
                 on_result=runner.deliver,
             )
             await runner.__aenter__()

@@ -74,7 +74,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier_async._log import get_logger
-from kvtier_async.engine import Engine, LaneStatistics, TaskRunner, ThreadedEngine
+from kvtier_async.assembly import Parts, assemble
+from kvtier_async.engine import Engine, LaneStatistics, ThreadedEngine
 from kvtier_async.ledger import (
     CPUSpec,
     GPUSpec,
@@ -82,14 +83,12 @@ from kvtier_async.ledger import (
     LedgerStatistics,
     OffloadingEvent,
     PrepareStoreOutput,
-    PrimaryLedger,
     StorePolicy,
     TierCounters,
-    TieringLedger,
     make_offload_keys,
 )
 from kvtier_async.memory import SharedRegion, close_region
-from kvtier_async.tiers.base import SecondaryTier, TierContext, TierStatistics, make_tier
+from kvtier_async.tiers.base import TierContext, TierStatistics
 
 from .config import ConnectorConfig
 from .layout import OffloadLayout
@@ -156,12 +155,6 @@ class ConnectorScheduler:
         self.layout = OffloadLayout.from_vllm(vllm_config, kv_cache_config, config)
         layout = self.layout
         self.instance_id = layout.instance_id
-        primary = PrimaryLedger(
-            layout.num_slots,
-            policy=config.eviction_policy,
-            store_threshold=config.store_threshold,
-            max_tracker_size=config.max_tracker_size,
-        )
         ctx = TierContext(
             block_bytes=layout.block_span_bytes,
             model=layout.model,
@@ -172,13 +165,8 @@ class ConnectorScheduler:
             pp_size=layout.pp_size,
             instance_id=layout.instance_id,
         )
-        tiers = [
-            make_tier(t, ctx, f"kv_connector_extra_config.secondary_tiers[{i}]")
-            for i, t in enumerate(config.secondary_tiers)
-        ]
-        self.ledger = TieringLedger(
-            primary, [t.name for t in tiers], store_policy=StorePolicy(config.store_policy)
-        )
+        parts = assemble(config, layout.num_slots, ctx)
+        tiers, self.ledger = parts.tiers, parts.ledger
         self._reqs: dict[str, _Request] = {}
         # Running requests with nothing left to store (``offload_prompt_only``): a request
         # joins when its cursors reach its prompt's end (`_maybe_settle`) and leaves when
@@ -194,24 +182,24 @@ class ConnectorScheduler:
         self._kv_bytes_per_token = layout.slot_bytes // layout.chunk_tokens
         self._step_allocated: set[int] = set()
         self._reset_fence: dict[int, int] = {}  # device job flushed by a reset -> reports due
-        self._runner = TaskRunner(self.ledger, tiers, batch=True)
+        self._runner = parts.runner(batch=True)
         self._cascades_since: float | None = None  # when the oldest queued cascade was
         self._region: SharedRegion | None = None
         self.tiers = tiers
         self.store_allocation_failures = 0  # stores the CPU tier had no room for
-        self._threaded: ThreadedEngine | None = self._start_engine(tiers)
+        self._threaded: ThreadedEngine | None = self._start_engine(parts)
 
     # --- the tier engine --------------------------------------------------------------
 
-    def _start_engine(self, tiers: list[SecondaryTier]) -> ThreadedEngine:
+    def _start_engine(self, parts: Parts) -> ThreadedEngine:
         """The tier engine on its loop thread; started even with no tier (one code path:
         idle, it is a thread parked on a socket, and the per-step cost of driving it is
         measured whatever the configuration)."""
-        layout = self.layout
+        layout, tiers = self.layout, parts.tiers
         block_view = self._block_view() if tiers else _no_block_view
 
         def make() -> Engine:
-            return Engine(tiers, block_view, queue_depth=self.config.queue_depth)
+            return parts.engine(block_view)
 
         threaded = ThreadedEngine(make).__enter__()
         log.info(
