@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from kvtier_async.bench import ledger as bench
-from kvtier_async.bench.traces import TraceError, read_trace
 from kvtier_async.cli import main
 from kvtier_async.ledger import make_offload_key
+from kvtier_async.ops.traces import TraceError, read_trace
 
 
 def key(n: int) -> bytes:

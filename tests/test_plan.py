@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_async.bench.traces import read_trace
 from kvtier_async.cli import main
 from kvtier_async.ops.plan import DEFAULT_POLICIES, NEAR, make_plan, parse_capacities, render_plan
+from kvtier_async.ops.traces import read_trace
 
 
 def chat_trace(path: Path, sessions: int = 40, turns: int = 5, seed: int = 3) -> Path:

@@ -113,20 +113,20 @@ def _reach_ins(module: str, path: Path, source: str | None = None) -> list[str]:
     for node in ast.walk(tree):
         where = f"{path.relative_to(SRC)}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.ImportFrom):
-            source = node.module or ""
+            origin = node.module or ""
             if node.level:  # relative: resolve against this module's package
                 base = package.split(".")
                 base = base[: len(base) - (node.level - 1)]
-                source = ".".join([*base, *([source] if source else [])])
-            scope = _owner_package(source)
+                origin = ".".join([*base, *([origin] if origin else [])])
+            scope = _owner_package(origin)
             if scope is not None and not _inside(package, scope):
-                found.append(f"{where}: imports the private module {source}")
+                found.append(f"{where}: imports the private module {origin}")
             for alias in node.names:
                 if not _private(alias.name) or allowed(alias.name):
                     continue
                 # `from pkg import _mod` (a private submodule or name of pkg): pkg's own.
-                if not _inside(package, source):
-                    found.append(f"{where}: imports {source}.{alias.name}")
+                if not _inside(package, origin):
+                    found.append(f"{where}: imports {origin}.{alias.name}")
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 scope = _owner_package(alias.name)

@@ -34,16 +34,19 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import structlog
 
-from kvtier_async import __version__, bench
+from kvtier_async import __version__
 from kvtier_async._extras import MissingExtraError
-from kvtier_async.bench.report import BenchRecord, as_quick, misses, render_table
-from kvtier_async.bench.traces import FORMATS as TRACE_FORMATS
-from kvtier_async.bench.traces import TraceError
 from kvtier_async.ops import render
 from kvtier_async.ops.layout import OpsError
+from kvtier_async.ops.traces import FORMATS as TRACE_FORMATS
+from kvtier_async.ops.traces import TraceError
 
 if TYPE_CHECKING:
+    from kvtier_async.bench.report import BenchRecord
     from kvtier_async.ops import commands as operations
+
+# `kvtier bench`'s modules are imported when a bench command runs, not here (the registry,
+# `kvtier_async.bench.BENCHMARKS`, is a dict of strings: naming the benchmarks costs nothing).
 
 # The operations commands import the S3 stack (aiobotocore, aiohttp) when they run, not here:
 # `kvtier bench gpu` runs on GPU machines that have none of it (see ci/gpu-check).
@@ -412,11 +415,15 @@ def _seconds(text: str) -> float:
 
 def _names_help() -> str:
     """Help text for ``bench NAME``, listing the registered benchmarks."""
+    from kvtier_async import bench
+
     return f"benchmark to run, one of: {', '.join(bench.BENCHMARKS)}"
 
 
 def _bench_name(name: str) -> str:
     """Argparse type of a benchmark name: unknown names are a usage error (exit 2)."""
+    from kvtier_async import bench
+
     if name not in bench.BENCHMARKS:
         valid = ", ".join(bench.BENCHMARKS)
         raise argparse.ArgumentTypeError(f"unknown benchmark {name!r}; valid names: {valid}")
@@ -425,6 +432,9 @@ def _bench_name(name: str) -> str:
 
 def _bench(args: argparse.Namespace) -> int:
     """``kvtier bench``: run the named benchmarks, print their records, plot and check."""
+    from kvtier_async import bench
+    from kvtier_async.bench.report import misses
+
     options: dict[str, dict[str, Any]] = {}
     if args.trace:
         options["ledger"] = {"trace": args.trace, "trace_format": args.trace_format}
@@ -460,6 +470,9 @@ def run_benchmarks(
     """Run each benchmark in *names*, noting progress on stderr; return all records (a
     quick run's without verdicts: see `as_quick`). ``options[name]``: more keyword
     arguments for that benchmark (the ledger's ``trace``)."""
+    from kvtier_async import bench
+    from kvtier_async.bench.report import as_quick
+
     records: list[BenchRecord] = []
     for name in names:
         _progress(f"bench {name}: running{' (quick)' if quick else ''}")
@@ -470,6 +483,8 @@ def run_benchmarks(
 
 def print_records(records: Sequence[BenchRecord], *, as_json: bool, quick: bool = False) -> None:
     """Print *records* to stdout: a table, or one JSON object per line."""
+    from kvtier_async.bench.report import render_table
+
     if as_json:
         for record in records:
             print(record.to_json_line())
@@ -617,9 +632,9 @@ _regions = _operation("regions", _regions_args)
 
 def _plan(args: argparse.Namespace) -> int:
     """``kvtier plan``: replay the trace per policy and capacity (see `kvtier_async.ops.plan`)."""
-    from kvtier_async.bench.traces import read_trace
     from kvtier_async.ledger import check_policy
     from kvtier_async.ops import plan
+    from kvtier_async.ops.traces import read_trace
 
     policies = args.policies or list(plan.DEFAULT_POLICIES)
     for name in policies:

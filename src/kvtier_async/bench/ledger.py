@@ -31,7 +31,7 @@ among them) against the same (target: never below 0.99x). The hit rate is the be
 throughout: per request, the leading keys that are readable until the first miss.
 
 Real traces (`trace_case`). ``kvtier bench ledger --trace FILE`` replays a trace file (the
-Mooncake format, or kvtier's own JSONL: see `kvtier_async.bench.traces`) with the same call
+Mooncake format, or kvtier's own JSONL: see `kvtier_async.ops.traces`) with the same call
 pattern, at 10%, 25% and 50% of its distinct blocks (10% only with ``--quick``): the hit
 rate of vLLM's LRU and ARC, ours (``lru`` and ``arc`` must hit exactly as vLLM's do: the
 run fails if not), each of `OTHER_POLICIES` and ``adaptive`` (against the better of vLLM's
@@ -68,9 +68,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvtier_async.ledger import LookupResult, PrimaryLedger, prefix_keys
+from kvtier_async.ops.traces import TraceFile, read_trace
 
 from .report import BenchRecord, throughput_record
-from .traces import TraceFile, read_trace
 
 __all__ = [
     "Trace",

@@ -1,6 +1,6 @@
 """``kvtier plan --trace FILE``: how big to make the CPU tier, from a trace of your traffic.
 
-Replays the trace (`kvtier_async.bench.traces`: the Mooncake format or kvtier's own JSONL)
+Replays the trace (`kvtier_async.ops.traces`: the Mooncake format or kvtier's own JSONL)
 through the CPU tier's ledger with each eviction policy, at a range of capacities, the way
 vLLM 0.33's scheduler calls its offloading manager (our ``lru`` and ``arc`` make exactly its
 decisions), and reports the hit rate at each: the share of block lookups served from the CPU
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier_async.bench.ledger import Trace, belady_hit_rate, infinite_hit_rate, policy_hit_rate
-from kvtier_async.bench.traces import TraceFile
+from kvtier_async.ops.traces import TraceFile
 
 __all__ = [
     "DEFAULT_FRACTIONS",
