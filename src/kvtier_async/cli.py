@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import structlog
 
-from kvtier_async import __version__
+from kvtier_async import __version__, defaults
 from kvtier_async._extras import MissingExtraError
 from kvtier_async.ops import render
 from kvtier_async.ops.layout import OpsError
@@ -325,7 +325,11 @@ def _add_operations(commands: Any) -> None:  # argparse's private _SubParsersAct
     _add_s3_flags(trim)
     trim.set_defaults(command=_gc)
     shm = commands.add_parser("regions", help="the CPU tier's shared regions and their owners")
-    shm.add_argument("--dir", default="/dev/shm", help="where the regions are (default /dev/shm)")
+    shm.add_argument(
+        "--dir",
+        default=defaults.REGION_DIR,
+        help=f"where the regions are (default {defaults.REGION_DIR})",
+    )
     shm.add_argument(
         "--remove-stale",
         action="store_true",

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 import numpy.typing as npt
 
+from kvtier_async import defaults
 from kvtier_async._cudart import clear_last_error, runtime
 from kvtier_async._log import get_logger
 from kvtier_async._mounts import mount
@@ -140,7 +141,7 @@ class SharedRegion:
         *,
         num_workers: int = 1,
         worker_rank: int = 0,
-        directory: str | os.PathLike[str] = "/dev/shm",
+        directory: str | os.PathLike[str] = defaults.REGION_DIR,
         wait_timeout_s: float = 30.0,
         role: Role | None = None,
         token: str | None = None,

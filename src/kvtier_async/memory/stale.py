@@ -16,6 +16,7 @@ import stat
 import time
 from pathlib import Path
 
+from kvtier_async import defaults
 from kvtier_async._log import get_logger
 from kvtier_async.memory._files import FILE_RE, lock, unlink_region
 from kvtier_async.memory._reclaim import reclaim
@@ -28,7 +29,7 @@ log = get_logger(__name__)
 
 
 def find_stale_regions(
-    directory: str | os.PathLike[str] = "/dev/shm", *, missing_owner_grace_s: float = 60.0
+    directory: str | os.PathLike[str] = defaults.REGION_DIR, *, missing_owner_grace_s: float = 60.0
 ) -> list[Path]:
     """Region files in ``directory`` whose creator process is no longer running.
 
@@ -48,7 +49,7 @@ def find_stale_regions(
 
 
 def remove_stale_regions(
-    directory: str | os.PathLike[str] = "/dev/shm", *, missing_owner_grace_s: float = 60.0
+    directory: str | os.PathLike[str] = defaults.REGION_DIR, *, missing_owner_grace_s: float = 60.0
 ) -> list[Path]:
     """Delete what :func:`find_stale_regions` reports (with owner records), unless a live
     process still maps it (a peer of the dead creator); return what was deleted.

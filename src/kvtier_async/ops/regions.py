@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from kvtier_async import defaults
 from kvtier_async._safefile import SAFE_READ_FLAGS
 from kvtier_async.memory import find_stale_regions, region_path, remove_stale_regions
 from kvtier_async.memory.owner import OwnerRecord, is_alive, read_owner
@@ -74,7 +75,7 @@ def check_directory(directory: str) -> Path:
     return path
 
 
-def list_regions(directory: str = "/dev/shm") -> list[RegionInfo]:
+def list_regions(directory: str = defaults.REGION_DIR) -> list[RegionInfo]:
     """Every kvtier region file in ``directory``, by name."""
     where = check_directory(directory)
     stale = {str(p) for p in find_stale_regions(where)}
@@ -158,7 +159,7 @@ def _pid_namespace() -> str | None:
         return None
 
 
-def remove_stale(directory: str = "/dev/shm") -> tuple[list[str], list[str]]:
+def remove_stale(directory: str = defaults.REGION_DIR) -> tuple[list[str], list[str]]:
     """Remove the stale regions nobody maps: ``(removed, kept)`` (kept: stale, but still
     mapped by a live process, or changed under us)."""
     where = check_directory(directory)
