@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 import subprocess
 import tempfile
@@ -61,9 +60,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import anyio
 
-from kvtier_async.ledger import make_offload_key
 from kvtier_async.memory import SharedRegion
-from kvtier_async.tiers.checksum import checksum
 
 from .fs_kit import (
     GB,
@@ -72,13 +69,15 @@ from .fs_kit import (
     Phase,
     Samples,
     VllmFs,
+    expected_checksums,
     filled_region,
     fs_type,
     mount,
     notes,
+    random_keys,
     run_ours,
-    sample,
     size_label,
+    verify_loaded,
 )
 from .fs_tmpfs import run_tmpfs
 from .report import BenchRecord, as_quick, latency_record, throughput_record
@@ -138,18 +137,13 @@ def _run_size(
     label = size_label(block_bytes)
     samples = Samples({})
     with filled_region(count, block_bytes) as region:
-        keys = [make_offload_key(random.randbytes(32), 0) for _ in range(count)]
-        expected = {i: checksum(region.slot_view(i)) for i in sample(count)}
+        keys, expected = random_keys(count), expected_checksums(region, count)
         mode = ""
         for rep in range(repeats):
             note(f"fs: {label} repetition {rep + 1}/{repeats}")
             figures = _one_round(workdir, region, keys, vllm, rep)
             gigabytes = len(keys) * block_bytes / GB
-            for name, phases in figures.items():
-                for direction, phase in zip(("store", "load"), phases, strict=True):
-                    samples.add(f"{name} {direction}", gigabytes / phase.seconds)
-                    if phase.cpu is not None:
-                        samples.add(f"{name} {direction} cpu", phase.cpu / gigabytes)
+            samples.add_round(figures, gigabytes)
             note(
                 f"fs: {label} GB/s store/load: "
                 + ", ".join(
@@ -220,9 +214,7 @@ def _records(label: str, samples: Samples, mode: str, vllm: VllmFs | None) -> li
 
 def _check_ours(region: SharedRegion, expected: dict[int, int], note: Callable[[str], None]) -> str:
     """Verify the sampled slots after our load; return the I/O mode for the case names."""
-    bad = [i for i, value in expected.items() if checksum(region.slot_view(i)) != value]
-    if bad:
-        raise RuntimeError(f"fs bench: loaded blocks differ from stored ones: slots {bad[:5]}")
+    verify_loaded(region, expected)
     detail, cached = notes.detail, notes.cached_bytes
     cache = "not checked (no fincore)" if cached < 0 else f"{cached} bytes"
     note(f"fs: ours: {detail}; our files in the page cache after the store: {cache}")

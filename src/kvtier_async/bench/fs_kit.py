@@ -16,15 +16,17 @@ import statistics
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
 from kvtier_async._mounts import mount
+from kvtier_async.ledger import make_offload_key
 from kvtier_async.memory import SharedRegion
 from kvtier_async.tiers.base import TierContext
+from kvtier_async.tiers.checksum import checksum
 from kvtier_async.tiers.fs import DEFAULT_READ_WORKERS, DEFAULT_WRITE_WORKERS, FsTier
 
 __all__ = [
@@ -35,14 +37,17 @@ __all__ = [
     "Phase",
     "Samples",
     "VllmFs",
+    "expected_checksums",
     "filled_region",
     "fs_type",
     "mount",
     "notes",
+    "random_keys",
     "run_ours",
     "sample",
     "size_label",
     "stopwatch",
+    "verify_loaded",
 ]
 
 STREAMS = 16  # dd processes; vLLM threads each way (its defaults)
@@ -84,6 +89,15 @@ class Samples:
 
     def median(self, name: str) -> float:
         return statistics.median(self.values[name])
+
+    def add_round(self, figures: Mapping[str, tuple[Phase, Phase]], gigabytes: float) -> None:
+        """One round's figures: per side and direction its GB/s, and its CPU seconds per GB
+        where they were measured (not for ``dd``)."""
+        for name, phases in figures.items():
+            for direction, phase in zip(("store", "load"), phases, strict=True):
+                self.add(f"{name} {direction}", gigabytes / phase.seconds)
+                if phase.cpu is not None:
+                    self.add(f"{name} {direction} cpu", phase.cpu / gigabytes)
 
 
 # -- ours ------------------------------------------------------------------------------------
@@ -270,9 +284,26 @@ def _scribble(views: Sequence[memoryview]) -> None:
         view[:8] = b"\xff" * 8
 
 
+def random_keys(count: int) -> list[bytes]:
+    """``count`` offload keys of random block hashes (group 0)."""
+    return [make_offload_key(random.randbytes(32), 0) for _ in range(count)]
+
+
 def sample(count: int) -> list[int]:
     """The slots a load check compares: the first, the last and up to 64 at random."""
     return sorted({0, count - 1, *random.sample(range(count), min(count, 64))})
+
+
+def expected_checksums(region: SharedRegion, count: int) -> dict[int, int]:
+    """The checksums of a `sample` of the region's ``count`` slots, taken before a store."""
+    return {i: checksum(region.slot_view(i)) for i in sample(count)}
+
+
+def verify_loaded(region: SharedRegion, expected: Mapping[int, int]) -> None:
+    """Right after a load: the sampled slots hold what was stored (else RuntimeError)."""
+    bad = [i for i, value in expected.items() if checksum(region.slot_view(i)) != value]
+    if bad:
+        raise RuntimeError(f"fs bench: loaded blocks differ from stored ones: slots {bad[:5]}")
 
 
 def size_label(block_bytes: int) -> str:

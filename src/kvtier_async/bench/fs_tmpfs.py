@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import random
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -66,9 +65,7 @@ from collections.abc import Callable, Iterator, Sequence
 import anyio
 import numpy as np
 
-from kvtier_async.ledger import make_offload_key
 from kvtier_async.memory import SharedRegion
-from kvtier_async.tiers.checksum import checksum
 from kvtier_async.tiers.fs import files as fs_files
 
 from .fs_kit import (
@@ -76,13 +73,15 @@ from .fs_kit import (
     Phase,
     Samples,
     VllmFs,
+    expected_checksums,
     filled_region,
     fs_type,
     notes,
+    random_keys,
     run_ours,
-    sample,
     size_label,
     stopwatch,
+    verify_loaded,
 )
 from .report import BenchRecord, latency_record, throughput_record
 
@@ -127,8 +126,7 @@ def _run_size(
     samples = Samples({})
     gigabytes = count * block_bytes / GB
     with filled_region(count, block_bytes) as region:
-        keys = [make_offload_key(random.randbytes(32), 0) for _ in range(count)]
-        expected = {i: checksum(region.slot_view(i)) for i in sample(count)}
+        keys, expected = random_keys(count), expected_checksums(region, count)
         floor = np.ones(count * block_bytes, dtype=np.uint8)  # prefaulted
         sides = _sides(region, keys, expected, floor, vllm, note)
         for rep in range(0 if repeats == 1 else -1, repeats):  # -1: the warm-up round
@@ -136,10 +134,7 @@ def _run_size(
             figures = _one_round(workdir, sides, rep)
             if rep < 0:
                 continue
-            for name, phases in figures.items():
-                for direction, phase in zip(("store", "load"), phases, strict=True):
-                    samples.add(f"{name} {direction}", gigabytes / phase.seconds)
-                    samples.add(f"{name} {direction} cpu", (phase.cpu or 0.0) / gigabytes)
+            samples.add_round(figures, gigabytes)
             note(f"fs tmpfs: {label} " + _summary(figures, gigabytes))
         del floor
     return _records(label, samples, vllm)
@@ -223,9 +218,7 @@ def _records(label: str, samples: Samples, vllm: VllmFs | None) -> list[BenchRec
 def _check(region: SharedRegion, expected: dict[int, int], note: Callable[[str], None]) -> None:
     """Right after our load: the sampled slots hold what was stored, and the tier ran
     buffered, saying why."""
-    bad = [i for i, value in expected.items() if checksum(region.slot_view(i)) != value]
-    if bad:
-        raise RuntimeError(f"fs bench: loaded blocks differ from stored ones: slots {bad[:5]}")
+    verify_loaded(region, expected)
     detail = notes.detail
     if "io=buffered(tmpfs)" not in detail:
         raise RuntimeError(f"fs bench: the tier did not take its buffered path on tmpfs: {detail}")
