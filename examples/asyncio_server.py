@@ -99,7 +99,7 @@ async def main(root: str, requests: int, concurrency: int, report: str | None) -
         stats = cache.stats()
 
     total = reused + computed
-    from_tiers = {tier.name: tier.promoted for tier in stats.tiers}
+    from_tiers = {tier.name: tier.counts.promoted for tier in stats.tiers}
     from_cpu = stats.lookup_hits - sum(from_tiers.values())
     print(
         f"{requests} requests, {total} blocks: {reused} reused ({reused / total:.0%}), "

@@ -89,7 +89,7 @@ async def test_store_cascade_reset_promote_load_round_trip() -> None:
         assert await cache.load(ks(1, 2, 3), out) == 3
         assert all((o == b).all() for o, b in zip(out, blocks(1, 2, 3)))
         stats = cache.stats()
-        assert stats.tiers[0].promoted == 3 and stats.tiers[0].cascaded == 3
+        assert stats.tiers[0].counts.promoted == 3 and stats.tiers[0].counts.cascaded == 3
         verify_idle(cache)
 
 

@@ -16,7 +16,7 @@ def test_demo_reuses_prompts_and_promotes_from_the_secondary_tier() -> None:
     assert report.turns == 24
     assert report.verified_blocks > 0 and report.reused_tokens > 0
     assert report.stats is not None
-    counters = report.stats.tiers[0]
+    counters = report.stats.tiers[0].counts
     assert counters.promoted > 0 and counters.cascaded > 0
     assert report.stats.ledger.writing == 0 and report.stats.ledger.pinned == 0
     text = demo.render_report(report)

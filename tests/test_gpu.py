@@ -751,10 +751,10 @@ async def test_tiered_cache_with_device_blocks_end_to_end(
             second = await cache.store(keys[4:], list(data[4:]))  # evicts the first four
             assert second.stored == keys[4:]
             await cache.drain()
-            counters = cache.stats().tiers[0]
+            counters = cache.stats().tiers[0].counts
             assert counters.cascaded == 8
             assert await cache.lookup(keys[:4]) == 4
-            assert cache.stats().tiers[0].promoted == 4
+            assert cache.stats().tiers[0].counts.promoted == 4
             out = torch.zeros(4, block, dtype=torch.uint8, device=device)
             assert await cache.load(keys[:4], list(out)) == 4
             assert torch.equal(out, data[:4])

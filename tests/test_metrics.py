@@ -169,7 +169,7 @@ async def test_stats_read_for_a_person_and_stay_after_the_close(tmp_path: Path) 
         live = cache.stats()
     final = cache.stats()
     assert final.lookups == live.lookups == 4 and final.lookup_hits == 4
-    assert final.tiers[0].cascaded == 4 and final.tiers[0].promoted == 4
+    assert final.tiers[0].counts.cascaded == 4 and final.tiers[0].counts.promoted == 4
     text = str(final)
     assert text.splitlines() == [
         "CPU tier: 4/4 slots used (4 readable, 0 writing, 0 pinned); lookups 4, hits 4 (100%)",
@@ -189,8 +189,9 @@ async def test_stats_and_the_registry_read_one_set_of_figures_per_tier(tmp_path:
         assert await cache.lookup(keys) == 4
         await cache.drain()
         got, stats = scrape(registry), cache.stats()
-    (disk,) = stats.tiers
-    assert (disk.name, disk.kind, disk.state.name) == ("disk", "fs", "disk")
+    (tier,) = stats.tiers
+    disk = tier.counts
+    assert (tier.name, tier.kind, tier.state.name) == ("disk", "fs", "disk")
     assert disk.promoted == disk.cascaded == 4 and disk.lookups == 6 and disk.hits == 4
     series = {
         "kvtier_tier_lookups_total": disk.lookups,
@@ -198,9 +199,9 @@ async def test_stats_and_the_registry_read_one_set_of_figures_per_tier(tmp_path:
         "kvtier_tier_misses_total": disk.misses,
         "kvtier_tier_promotions_total": disk.promoted,
         "kvtier_tier_cascades_total": disk.cascaded,
-        "kvtier_tier_queue_depth": disk.queue_depth,
-        "kvtier_tier_used_bytes": disk.state.used_bytes,
-        "kvtier_tier_max_bytes": disk.state.max_bytes,
+        "kvtier_tier_queue_depth": tier.queue_depth,
+        "kvtier_tier_used_bytes": tier.state.used_bytes,
+        "kvtier_tier_max_bytes": tier.state.max_bytes,
     }
     for name, figure in series.items():
         assert value(got, name, tier="disk") == figure, name
@@ -210,6 +211,26 @@ async def test_stats_and_the_registry_read_one_set_of_figures_per_tier(tmp_path:
     for kind in ("promote", "cascade", "lookup"):
         assert value(got, "kvtier_tier_failures_total", tier="disk", kind=kind) == 0
     assert f"hits {disk.hits}/{disk.lookups}, promoted {disk.promoted}" in str(stats)
+
+
+async def test_the_ledger_the_lanes_and_the_tier_feed_one_counter_set(tmp_path: Path) -> None:
+    """Each tier's one `TierCounters` is the object the tiering ledger and the tier's lanes
+    are handed: the ledger counts the cascades, the lanes their bytes and seconds, the tier
+    which blocks it wrote and which it found stored already (a second cache on the root)."""
+    keys = prefix_keys(range(64))  # 4 blocks
+    for written, present in ((4, 0), (0, 4)):
+        async with TieredKVCache(fs_config(tmp_path)) as cache:
+            (tier,) = cache.tiers
+            assert cache.ledger.counters == [tier.counters]
+            assert cache.ledger.counters[0] is tier.counters
+            await cache.store(keys, blocks(4))
+            await cache.drain()
+            counts = cache.stats().tiers[0].counts
+        assert counts is not tier.counters  # a snapshot: not updated afterwards
+        assert (counts.cascaded, counts.written, counts.present) == (4, written, present)
+        assert counts.bytes_written == 4 * BLOCK and counts.write_seconds > 0
+        assert (counts.lookups, counts.promoted, counts.bytes_read, counts.failed) == (0, 0, 0, 0)
+        assert cache.stats().device.store_bytes == 4 * BLOCK
 
 
 # --- KV events ---------------------------------------------------------------------------------

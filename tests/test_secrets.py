@@ -166,7 +166,7 @@ async def test_a_cache_over_s3_never_shows_its_credentials(
             moto_s3.set_auth(False)
         shown += [repr(cache.config), str(cache.stats()), repr(cache.tiers), repr(cache.stats())]
         shown += [repr(t.config) for t in cache.tiers]  # type: ignore[attr-defined]
-        counters = cache.stats().tiers[0]
+        counters = cache.stats().tiers[0].counts
     assert counters.cascaded == 2 and counters.cascade_failed == 2
     inline = [r.getMessage() for r in caplog.records if "set inline" in r.getMessage()]
     assert len(inline) == 1  # one warning, naming the fields, pointing at the AWS chain

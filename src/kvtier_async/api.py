@@ -55,6 +55,7 @@ from kvtier_async.assembly import assemble
 from kvtier_async.engine import Engine, Job, JobError, JobResult, LaneStatistics, TaskRunner
 from kvtier_async.events import KVEvent, to_kv_events
 from kvtier_async.ledger import (
+    DeviceCounters,
     JobKind,
     LedgerStatistics,
     TieringLedger,
@@ -97,7 +98,8 @@ class CacheStats:
 
     ledger: LedgerStatistics
     tiers: list[TierMetrics]  # one per secondary tier, in order
-    lanes: list[LaneStatistics]
+    lanes: list[LaneStatistics]  # the engine's lanes' own state (queues, jobs by outcome)
+    device: DeviceCounters  # the copies between the caller's blocks and the CPU tier
     lookups: int
     lookup_hits: int
     requests: int = 0  # named requests not finished yet
@@ -109,7 +111,7 @@ class CacheStats:
 
     def samples(self) -> Samples:
         """The series of `kvtier_async.metrics.SERIES`, by name and label values."""
-        return samples(self.ledger, self.tiers, self.lanes)
+        return samples(self.ledger, self.tiers, self.device)
 
 
 class TieredKVCache:
@@ -489,12 +491,11 @@ class TieredKVCache:
     def _stats(self, engine: Engine) -> CacheStats:
         ledger = self.ledger
         engine_tiers = cast("list[SecondaryTier]", engine.tiers)  # the tiers this cache made
-        tiers = list(zip(ledger.counters, (t.statistics() for t in engine_tiers)))
-        lanes = engine.statistics()
         return CacheStats(
             ledger.primary.statistics(),
-            tier_metrics(tiers, lanes),
-            lanes,
+            tier_metrics(engine_tiers, engine.queue_depths()),
+            engine.statistics(),
+            engine.device_counters.copy(),
             self._lookups,
             self._lookup_hits,
             ledger.primary.num_requests,

@@ -74,6 +74,9 @@ def assemble(config: CommonConfig, num_slots: int, ctx: TierContext) -> Parts:
         max_tracker_size=config.max_tracker_size,
     )
     ledger = TieringLedger(
-        primary, [tier.name for tier in tiers], store_policy=StorePolicy(config.store_policy)
+        primary,
+        [tier.name for tier in tiers],
+        store_policy=StorePolicy(config.store_policy),
+        counters=[tier.counters for tier in tiers],  # one set per tier, fed by both
     )
     return Parts(config, tiers, ledger)

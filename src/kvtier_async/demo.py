@@ -164,8 +164,7 @@ COLUMNS = [
 def render_report(report: DemoReport) -> str:
     stats = report.stats
     assert stats is not None
-    lanes = {lane.name: lane for lane in stats.lanes}
-    device = lanes.get("device")
+    device = stats.device
     rows = [("tier", "lookups", "hits", "promoted", "cascaded", "bytes moved", "GB/s")]
     rows.append(
         (
@@ -174,20 +173,21 @@ def render_report(report: DemoReport) -> str:
             f"{stats.lookup_hits:,}",
             "-",
             "-",
-            _bytes(device.bytes if device else 0),
-            f"{device.gbps:.2f}" if device else "-",
+            _bytes(device.store_bytes + device.load_bytes),
+            f"{device.gbps:.2f}",
         )
     )
     for tier in stats.tiers:
+        c = tier.counts
         rows.append(
             (
                 tier.name,
-                f"{tier.lookups:,}",
-                f"{tier.hits:,}",
-                f"{tier.promoted:,}",
-                f"{tier.cascaded:,}",
-                _bytes(tier.bytes_read + tier.bytes_written),
-                f"{tier.gbps:.2f}",
+                f"{c.lookups:,}",
+                f"{c.hits:,}",
+                f"{c.promoted:,}",
+                f"{c.cascaded:,}",
+                _bytes(c.bytes_read + c.bytes_written),
+                f"{c.gbps:.2f}",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

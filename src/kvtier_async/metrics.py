@@ -1,15 +1,16 @@
 """Metrics: what the tiers did, as Prometheus series, for `TieredKVCache` and the vLLM connector.
 
-Theory of operation. Nothing here counts anything: every figure is read from counters the
-parts keep already. The tiering ledger counts, per secondary tier, the keys looked up and hit,
-blocks promoted and cascaded and the keys that failed (`TierCounters`); each engine lane
-tallies its jobs by kind, with bytes and seconds of run time (`LaneStatistics.by_kind`) and
-its queue; each tier reports its own state (`TierStatistics`: bytes held of ``max_bytes``,
-an S3 tier's circuit breaker); the CPU ledger its slots (`LedgerStatistics`).
-`tier_metrics` joins the first three into one `TierMetrics` per tier, the one place they
-meet: `CacheStats.tiers` holds those, and `samples` (the series `SERIES` lists, as
-``{series name: {label values: value}}``, cumulative since the cache opened) and `summary`
-read them and nothing else.
+Theory of operation. Nothing here counts anything: every figure is read from what the parts
+keep already. Each secondary tier has one counter set (`kvtier_async.ledger.TierCounters`,
+the tier's ``counters``) that the tiering ledger, the tier's lanes and the tier feed, each
+event once; each tier reports its own state (`TierStatistics`: bytes held of
+``max_bytes``, an S3 tier's circuit breaker); the engine its lanes' queues
+(`Engine.queue_depths`) and its device lane's copies (`DeviceCounters`); the CPU ledger its
+slots (`LedgerStatistics`). `tier_metrics` takes one `TierMetrics` per tier from them, in
+tier order: `CacheStats.tiers` holds those. Each series of `SERIES` carries the function
+that reads its values from those `Figures`, so a series' name is written once, and
+`samples` (``{series name: {label values: value}}``, cumulative since the cache opened) and
+`summary` read them and nothing else.
 
 Two consumers:
 
@@ -28,21 +29,19 @@ or the cache closed. ``prometheus_client`` is imported only by `CacheCollector` 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
-
-from kvtier_async.ledger import JobKind
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 if TYPE_CHECKING:
-    from kvtier_async.engine import LaneStatistics
-    from kvtier_async.ledger import LedgerStatistics, TierCounters
-    from kvtier_async.tiers.base import TierStatistics
+    from kvtier_async.ledger import DeviceCounters, LedgerStatistics, TierCounters
+    from kvtier_async.tiers.base import SecondaryTier, TierStatistics
 
 __all__ = [
     "ASYNC_API_ONLY",
     "SERIES",
     "CacheCollector",
+    "Figures",
     "Samples",
     "Series",
     "TierMetrics",
@@ -56,229 +55,167 @@ Samples = dict[str, dict[tuple[str, ...], float]]
 """Series name -> label values (in the series' label order) -> value."""
 
 
+class Figures(NamedTuple):
+    """What the series are read from: the CPU ledger's slots (None: not shown), each tier's
+    `TierMetrics`, the device lane's copies (None: the connector, whose copies are vLLM's
+    series)."""
+
+    primary: LedgerStatistics | None
+    tiers: Sequence[TierMetrics]
+    device: DeviceCounters | None
+
+
+Values = Mapping[tuple[str, ...], float]
+"""Label values (in the series' label order) -> value."""
+
+
 @dataclass(frozen=True)
 class Series:
     """One Prometheus series: its name (a counter's exposition adds ``_total``), type, help
-    text and label names."""
+    text, label names, and how its values are read from the `Figures`."""
 
     name: str
     type: Literal["counter", "gauge"]
     documentation: str
-    labels: tuple[str, ...] = ()
+    labels: tuple[str, ...]
+    read: Callable[[Figures], Values]
 
 
-_TIER = ("tier",)
+def _tier(read: Callable[[TierMetrics], Mapping[tuple[str, ...], float | None]]) -> Any:
+    """A per-tier series' reader: ``read`` gives one tier's values by the labels after
+    ``tier`` (a None value: the tier has no such figure)."""
+
+    def values(figures: Figures) -> Values:
+        return {
+            (t.name, *labels): value
+            for t in figures.tiers
+            for labels, value in read(t).items()
+            if value is not None
+        }
+
+    return values
+
+
+def _breaker(t: TierMetrics) -> dict[tuple[str, ...], float | None]:
+    state = getattr(t.state, "circuit_state", None)
+    return {(name,): None if state is None else float(state == name) for name in _BREAKER}
+
+
+def _slots(figures: Figures) -> Values:
+    p = figures.primary
+    if p is None:
+        return {}
+    return {("free",): p.free, ("evictable",): p.evictable, ("writing",): p.writing,
+            ("pinned",): p.pinned}  # fmt: skip
+
+
+def _device(bytes_: bool) -> Callable[[Figures], Values]:
+    def values(figures: Figures) -> Values:
+        d = figures.device
+        if d is None:
+            return {}
+        if bytes_:
+            return {("store",): d.store_bytes, ("load",): d.load_bytes}
+        return {("store",): d.store_seconds, ("load",): d.load_seconds}
+
+    return values
+
+
+_BREAKER = ("closed", "open", "probing")
+_T = ("tier",)
 SERIES: tuple[Series, ...] = (
-    Series("kvtier_tier_lookups", "counter", "Keys looked up in a secondary tier.", _TIER),
-    Series("kvtier_tier_hits", "counter", "Keys a secondary tier's lookups found.", _TIER),
-    Series("kvtier_tier_misses", "counter", "Keys a secondary tier's lookups missed.", _TIER),
-    Series(
-        "kvtier_tier_promotions",
-        "counter",
-        "Blocks promoted from a secondary tier into the CPU tier.",
-        _TIER,
-    ),
-    Series(
-        "kvtier_tier_cascades",
-        "counter",
-        "Blocks cascaded from the CPU tier into a secondary tier.",
-        _TIER,
-    ),
-    Series(
-        "kvtier_tier_bytes",
-        "counter",
-        "Bytes a secondary tier moved: direction read (promotions) or write (cascades).",
-        ("tier", "direction"),
-    ),
-    Series(
-        "kvtier_tier_seconds",
-        "counter",
-        "Seconds of job run time in a secondary tier, summed over its workers: direction "
-        "read (promotions), write (cascades) or lookup.",
-        ("tier", "direction"),
-    ),
-    Series(
-        "kvtier_tier_failures",
-        "counter",
-        "Keys a secondary tier failed, by kind: promote, cascade, or lookup (a lookup job "
-        "that failed whole; a key not found is a miss).",
-        ("tier", "kind"),
-    ),
-    Series(
-        "kvtier_tier_queue_depth",
-        "gauge",
-        "Jobs queued or running in a secondary tier's lanes.",
-        _TIER,
-    ),
-    Series(
-        "kvtier_tier_breaker_state",
-        "gauge",
-        "1 for the state a tier's circuit breaker is in (closed, open, probing), 0 for the "
-        "others; tiers with a breaker only (obj).",
-        ("tier", "state"),
-    ),
-    Series(
-        "kvtier_tier_used_bytes",
-        "gauge",
-        "Bytes a secondary tier holds, where it keeps count (fs with max_bytes, memory).",
-        _TIER,
-    ),
-    Series(
-        "kvtier_tier_max_bytes", "gauge", "A secondary tier's capacity, where it has one.", _TIER
-    ),
-    Series(
-        "kvtier_cpu_slots",
-        "gauge",
-        "CPU tier slots by state: free, evictable (readable), writing, pinned (being read).",
-        ("state",),
-    ),
-    Series(
-        "kvtier_device_bytes",
-        "counter",
-        "Bytes copied between the caller's blocks and the CPU tier: direction store or load "
-        "(async API; the vLLM connector reports vllm:kv_offload_store_bytes / _load_bytes).",
-        ("direction",),
-    ),
-    Series(
-        "kvtier_device_seconds",
-        "counter",
-        "Seconds of copy time between the caller's blocks and the CPU tier, by direction "
-        "(async API).",
-        ("direction",),
-    ),
-)
+    Series("kvtier_tier_lookups", "counter", "Keys looked up in a secondary tier.", _T,
+           _tier(lambda t: {(): t.counts.lookups})),
+    Series("kvtier_tier_hits", "counter", "Keys a secondary tier's lookups found.", _T,
+           _tier(lambda t: {(): t.counts.hits})),
+    Series("kvtier_tier_misses", "counter", "Keys a secondary tier's lookups missed.", _T,
+           _tier(lambda t: {(): t.counts.misses})),
+    Series("kvtier_tier_promotions", "counter",
+           "Blocks promoted from a secondary tier into the CPU tier.", _T,
+           _tier(lambda t: {(): t.counts.promoted})),
+    Series("kvtier_tier_cascades", "counter",
+           "Blocks cascaded from the CPU tier into a secondary tier.", _T,
+           _tier(lambda t: {(): t.counts.cascaded})),
+    Series("kvtier_tier_bytes", "counter",
+           "Bytes a secondary tier moved: direction read (promotions) or write (cascades).",
+           ("tier", "direction"),
+           _tier(lambda t: {("read",): t.counts.bytes_read, ("write",): t.counts.bytes_written})),
+    Series("kvtier_tier_seconds", "counter",
+           "Seconds of job run time in a secondary tier, summed over its workers: direction "
+           "read (promotions), write (cascades) or lookup.",
+           ("tier", "direction"),
+           _tier(lambda t: {("read",): t.counts.read_seconds,
+                            ("write",): t.counts.write_seconds,
+                            ("lookup",): t.counts.lookup_seconds})),
+    Series("kvtier_tier_failures", "counter",
+           "Keys a secondary tier failed, by kind: promote, cascade, or lookup (a lookup job "
+           "that failed whole; a key not found is a miss).",
+           ("tier", "kind"),
+           _tier(lambda t: {("promote",): t.counts.promote_failed,
+                            ("cascade",): t.counts.cascade_failed,
+                            ("lookup",): t.counts.lookup_failed})),
+    Series("kvtier_tier_queue_depth", "gauge",
+           "Jobs queued or running in a secondary tier's lanes.", _T,
+           _tier(lambda t: {(): t.queue_depth})),
+    Series("kvtier_tier_breaker_state", "gauge",
+           "1 for the state a tier's circuit breaker is in (closed, open, probing), 0 for the "
+           "others; tiers with a breaker only (obj).",
+           ("tier", "state"), _tier(_breaker)),
+    Series("kvtier_tier_used_bytes", "gauge",
+           "Bytes a secondary tier holds, where it keeps count (fs with max_bytes, memory).",
+           _T, _tier(lambda t: {(): t.state.used_bytes})),
+    Series("kvtier_tier_max_bytes", "gauge", "A secondary tier's capacity, where it has one.",
+           _T, _tier(lambda t: {(): t.state.max_bytes})),
+    Series("kvtier_cpu_slots", "gauge",
+           "CPU tier slots by state: free, evictable (readable), writing, pinned (being read).",
+           ("state",), _slots),
+    Series("kvtier_device_bytes", "counter",
+           "Bytes copied between the caller's blocks and the CPU tier: direction store or load "
+           "(async API; the vLLM connector reports vllm:kv_offload_store_bytes / _load_bytes).",
+           ("direction",), _device(bytes_=True)),
+    Series("kvtier_device_seconds", "counter",
+           "Seconds of copy time between the caller's blocks and the CPU tier, by direction "
+           "(async API).",
+           ("direction",), _device(bytes_=False)),
+)  # fmt: skip
 _BY_NAME = {s.name: s for s in SERIES}
 ASYNC_API_ONLY = frozenset({"kvtier_device_bytes", "kvtier_device_seconds"})
 """Series only `TieredKVCache` has (the connector's copies are vLLM's own series)."""
-_BREAKER_STATES = ("closed", "open", "probing")
 
 
 @dataclass(frozen=True)
 class TierMetrics:
-    """Every figure of one secondary tier, read once from the three parts that keep them
-    (see the module docstring): what `CacheStats.tiers` holds, and what `samples` and
-    `summary` read. ``state`` is the tier's own report (`TierStatistics`; a kind's subclass
-    adds its fields, such as the obj tier's ``circuit_state``)."""
+    """One secondary tier's figures, read once: what `CacheStats.tiers` holds, and what
+    `samples` and `summary` read. ``counts`` is a snapshot of the tier's one counter set;
+    ``state`` is the tier's own report (`TierStatistics`; a kind's subclass adds its fields,
+    such as the obj tier's ``circuit_state``)."""
 
     name: str
     kind: str
-    lookups: int  # keys looked up (the ledger's count)
-    hits: int
-    promoted: int  # blocks, into the CPU tier
-    cascaded: int  # blocks, from the CPU tier
-    promote_failed: int  # keys
-    cascade_failed: int  # keys
-    lookup_failed: int  # keys of lookup jobs that failed whole
-    bytes_read: int  # promotions' bytes
-    bytes_written: int  # cascades' bytes
-    read_seconds: float  # job run time, summed over the tier's workers
-    write_seconds: float
-    lookup_seconds: float
+    counts: TierCounters
     queue_depth: int  # jobs queued or running in the tier's lanes
-    gbps: float  # bytes moved per second of I/O job run time, both directions, GB/s
     state: TierStatistics
 
-    @property
-    def misses(self) -> int:
-        return self.lookups - self.hits
 
-    @property
-    def failed(self) -> int:
-        return self.promote_failed + self.cascade_failed + self.lookup_failed
-
-
-def tier_metrics(
-    tiers: Sequence[tuple[TierCounters, TierStatistics]], lanes: Sequence[LaneStatistics]
-) -> list[TierMetrics]:
-    """One `TierMetrics` per tier, from the ledger's counters and the tier's statistics
-    (in tier order) and the engine's lanes (a tier's are named ``NAME`` for its I/O and
-    ``NAME:lookup`` for its lookups): the one place they are joined."""
-    by_lane = {lane.name: lane for lane in lanes}
-    out = []
-    for counters, stats in tiers:
-        io, lookup = by_lane.get(stats.name), by_lane.get(f"{stats.name}:lookup")
-        read = io.by_kind.get(JobKind.PROMOTE.value) if io is not None else None
-        write = io.by_kind.get(JobKind.CASCADE.value) if io is not None else None
-        asked = lookup.by_kind.get(JobKind.LOOKUP.value) if lookup is not None else None
-        out.append(
-            TierMetrics(
-                name=stats.name,
-                kind=stats.kind,
-                lookups=counters.lookups,
-                hits=counters.lookup_hits,
-                promoted=counters.promoted,
-                cascaded=counters.cascaded,
-                promote_failed=counters.promote_failed,
-                cascade_failed=counters.cascade_failed,
-                lookup_failed=asked.keys_failed if asked else 0,
-                bytes_read=read.bytes if read else 0,
-                bytes_written=write.bytes if write else 0,
-                read_seconds=read.seconds if read else 0.0,
-                write_seconds=write.seconds if write else 0.0,
-                lookup_seconds=asked.seconds if asked else 0.0,
-                queue_depth=sum(
-                    lane.queued_reads + lane.queued_writes + lane.running
-                    for lane in (io, lookup)
-                    if lane is not None
-                ),
-                gbps=io.gbps if io is not None else 0.0,
-                state=stats,
-            )
-        )
-    return out
+def tier_metrics(tiers: Sequence[SecondaryTier], queue_depths: Sequence[int]) -> list[TierMetrics]:
+    """One `TierMetrics` per tier: its counters (a snapshot), the jobs in its lanes (the
+    engine's `queue_depths`, in tier order; none when the engine is not running) and its
+    own statistics."""
+    depths = list(queue_depths) or [0] * len(tiers)
+    return [
+        TierMetrics(tier.name, tier.kind, tier.counters.copy(), depth, tier.statistics())
+        for tier, depth in zip(tiers, depths, strict=True)
+    ]
 
 
 def samples(
     primary: LedgerStatistics | None,
     tiers: Sequence[TierMetrics],
-    lanes: Sequence[LaneStatistics],
+    device: DeviceCounters | None,
 ) -> Samples:
-    """Every series' values now, from the CPU ledger's slots (None: not shown), each tier's
-    `TierMetrics` and the engine's ``device`` lane (the copies to and from the caller)."""
-    out: Samples = {s.name: {} for s in SERIES}
-    for tier in tiers:
-        _tier_samples(out, tier)
-    if primary is not None:
-        slots = out["kvtier_cpu_slots"]
-        slots[("free",)] = primary.free
-        slots[("evictable",)] = primary.evictable
-        slots[("writing",)] = primary.writing
-        slots[("pinned",)] = primary.pinned
-    device = next((lane for lane in lanes if lane.name == "device"), None)
-    if device is not None:
-        for direction in ("store", "load"):
-            tally = device.by_kind.get(direction)
-            if tally is not None:
-                out["kvtier_device_bytes"][(direction,)] = tally.bytes
-                out["kvtier_device_seconds"][(direction,)] = tally.seconds
-    return out
-
-
-def _tier_samples(out: Samples, t: TierMetrics) -> None:
-    tier = (t.name,)
-    out["kvtier_tier_lookups"][tier] = t.lookups
-    out["kvtier_tier_hits"][tier] = t.hits
-    out["kvtier_tier_misses"][tier] = t.misses
-    out["kvtier_tier_promotions"][tier] = t.promoted
-    out["kvtier_tier_cascades"][tier] = t.cascaded
-    out["kvtier_tier_bytes"][(t.name, "read")] = t.bytes_read
-    out["kvtier_tier_bytes"][(t.name, "write")] = t.bytes_written
-    out["kvtier_tier_seconds"][(t.name, "read")] = t.read_seconds
-    out["kvtier_tier_seconds"][(t.name, "write")] = t.write_seconds
-    out["kvtier_tier_seconds"][(t.name, "lookup")] = t.lookup_seconds
-    failures = out["kvtier_tier_failures"]
-    failures[(t.name, "promote")] = t.promote_failed
-    failures[(t.name, "cascade")] = t.cascade_failed
-    failures[(t.name, "lookup")] = t.lookup_failed
-    out["kvtier_tier_queue_depth"][tier] = t.queue_depth
-    state = getattr(t.state, "circuit_state", None)
-    if state is not None:
-        for name in _BREAKER_STATES:
-            out["kvtier_tier_breaker_state"][(t.name, name)] = float(state == name)
-    if t.state.used_bytes is not None:
-        out["kvtier_tier_used_bytes"][tier] = t.state.used_bytes
-    if t.state.max_bytes is not None:
-        out["kvtier_tier_max_bytes"][tier] = t.state.max_bytes
+    """Every series' values now (see `Figures`)."""
+    figures = Figures(primary, tiers, device)
+    return {s.name: dict(s.read(figures)) for s in SERIES}
 
 
 def deltas(before: Samples, now: Samples) -> Samples:
@@ -348,10 +285,11 @@ def summary(stats: Any) -> str:
 
 
 def _tier_line(t: TierMetrics) -> str:
+    c = t.counts
     line = (
-        f"{t.name} ({t.kind}): hits {t.hits}/{t.lookups}, promoted {t.promoted} "
-        f"({_mb(t.bytes_read)}), cascaded {t.cascaded} ({_mb(t.bytes_written)}), "
-        f"failed {t.failed}, queued {t.queue_depth}"
+        f"{t.name} ({t.kind}): hits {c.hits}/{c.lookups}, promoted {c.promoted} "
+        f"({_mb(c.bytes_read)}), cascaded {c.cascaded} ({_mb(c.bytes_written)}), "
+        f"failed {c.failed}, queued {t.queue_depth}"
     )
     if t.state.max_bytes is not None:
         line += f", holds {_mb(t.state.used_bytes or 0)} of {_mb(t.state.max_bytes)}"

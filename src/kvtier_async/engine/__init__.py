@@ -4,7 +4,7 @@ and the task runner through which the ledger's owner sends tasks and applies res
 from .backend import TierBackend
 from .engine import Engine, EngineClosed
 from .jobs import Job, JobCancelled, JobError, JobHandle, JobResult
-from .lane import Executor, KindTally, Lane, LaneStatistics
+from .lane import Executor, JobCounters, Lane, LaneStatistics
 from .runner import TaskRunner
 from .threaded import Deferred, ThreadedEngine
 
@@ -15,10 +15,10 @@ __all__ = [
     "Executor",
     "Job",
     "JobCancelled",
+    "JobCounters",
     "JobError",
     "JobHandle",
     "JobResult",
-    "KindTally",
     "Lane",
     "LaneStatistics",
     "TaskRunner",

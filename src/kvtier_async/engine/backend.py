@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvtier_async.ledger import TierCounters
+
 __all__ = ["TierBackend"]
 
 
@@ -20,6 +22,7 @@ class TierBackend(Protocol):
     name: str
     read_workers: int
     write_workers: int
+    counters: TierCounters  # the tier's counter set: its lanes add bytes and seconds
 
     @property
     def kind(self) -> str: ...

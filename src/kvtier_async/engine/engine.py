@@ -26,6 +26,7 @@ import anyio.lowlevel
 
 from kvtier_async import defaults
 from kvtier_async._log import get_logger
+from kvtier_async.ledger import DeviceCounters
 
 from .backend import TierBackend
 from .jobs import Job, JobHandle, JobKind, JobResult
@@ -61,6 +62,8 @@ class Engine:
         self._block_view = block_view
         self._device = device
         self._device_workers = device_workers
+        # The device lane's copies (each tier's lanes feed the tier's own `counters`).
+        self.device_counters = DeviceCounters()
         self._depth = queue_depth
         self._lanes: dict[tuple[int, bool], Lane] = {}
         self._stack: contextlib.AsyncExitStack | None = None
@@ -106,7 +109,11 @@ class Engine:
     async def _start_lanes(self, tg: anyio.abc.TaskGroup) -> None:
         if self._device is not None:
             self._lanes[(-1, False)] = Lane(
-                "device", self._device, workers=self._device_workers, depth=self._depth
+                "device",
+                self._device,
+                workers=self._device_workers,
+                depth=self._depth,
+                counters=self.device_counters,
             )
         for index, tier in enumerate(self.tiers):
             io = Lane(
@@ -114,9 +121,14 @@ class Engine:
                 self._tier_io(tier),
                 workers=tier.read_workers + tier.write_workers,
                 depth=self._depth,
+                counters=tier.counters,
             )
             lookups = Lane(
-                f"{tier.name}:lookup", self._tier_lookup(tier), workers=1, depth=self._depth
+                f"{tier.name}:lookup",
+                self._tier_lookup(tier),
+                workers=1,
+                depth=self._depth,
+                counters=tier.counters,
             )
             self._lanes[(index, False)] = io
             self._lanes[(index, True)] = lookups
@@ -222,3 +234,12 @@ class Engine:
 
     def statistics(self) -> list[LaneStatistics]:
         return [lane.statistics() for lane in self._lanes.values()]
+
+    def queue_depths(self) -> list[int]:
+        """Per tier, in tier order: jobs queued or running in its lanes (I/O and lookups)."""
+        depths = [0] * len(self.tiers)
+        for (tier, _), lane in list(self._lanes.items()):
+            if tier >= 0:
+                stats = lane.statistics()
+                depths[tier] += stats.queued_reads + stats.queued_writes + stats.running
+        return depths

@@ -9,17 +9,19 @@ A job that fails whole is logged once per `_WARN_INTERVAL_S` per lane (`RateLimi
 circuit is open every job fails, and one line per job would flood the log); the lines not
 logged are counted in `LaneStatistics.warnings_suppressed`.
 
-Each lane also tallies its jobs by kind (`KindTally`: jobs, keys that failed, bytes, seconds
-of run time), so a tier's reads (promotions) and writes (cascades) are told apart in metrics.
-A lookup's "not found" is an answer, not a failure: only keys of a lookup job that failed
-whole count as failed.
+Each lane feeds the counter set it is given (`JobCounters`: its tier's
+`kvtier_async.ledger.TierCounters`, or the device lane's `DeviceCounters`) as each job ends:
+bytes moved and seconds of run time, by kind. A lookup's "not found" is an answer, not a
+failure: only keys of a lookup job that failed whole count as failed. `LaneStatistics` is the
+lane's own state (queues, workers, jobs by outcome), not its tier's figures.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -29,7 +31,7 @@ from kvtier_async.ledger import JobKind
 
 from .jobs import Job, JobHandle, JobResult
 
-__all__ = ["Executor", "KindTally", "Lane", "LaneStatistics"]
+__all__ = ["Executor", "JobCounters", "Lane", "LaneStatistics"]
 
 log = get_logger(__name__)
 
@@ -40,15 +42,14 @@ Executor = Callable[[Job], Awaitable[tuple[Sequence[bool], int]]]
 """Runs a job; returns per-key success and the bytes moved. Raises if the job failed whole."""
 
 
-@dataclass(frozen=True)
-class KindTally:
-    """A lane's jobs of one kind: how many ended, keys that failed, bytes moved by the
-    jobs that completed, seconds of run time (summed over workers)."""
+class JobCounters(Protocol):
+    """What a lane feeds as each job ends (`kvtier_async.ledger.TierCounters`,
+    `kvtier_async.ledger.DeviceCounters`)."""
 
-    jobs: int = 0
-    keys_failed: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
+    def job_ended(self, kind: JobKind, nbytes: int, seconds: float, failed_whole: int) -> None:
+        """``nbytes`` moved (0 for a job that failed whole), ``seconds`` of run time, and
+        ``failed_whole`` keys of a job that raised (0 otherwise)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,6 @@ class LaneStatistics:
     bytes: int
     busy_s: float
     warnings_suppressed: int = 0  # "job failed" lines not logged (rate-limited)
-    by_kind: dict[str, KindTally] = field(default_factory=dict)  # JobKind value -> tally
 
     @property
     def gbps(self) -> float:
@@ -76,7 +76,15 @@ class LaneStatistics:
 class Lane:
     """Bounded queues plus ``workers`` tasks running ``execute``."""
 
-    def __init__(self, name: str, execute: Executor, *, workers: int, depth: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        execute: Executor,
+        *,
+        workers: int,
+        depth: int,
+        counters: JobCounters | None = None,
+    ) -> None:
         if workers < 1 or depth < 1:
             raise ValueError(f"lane {name!r}: workers and depth must be >= 1")
         self.name = name
@@ -92,7 +100,7 @@ class Lane:
         self._running = self._completed = self._failed = self._cancelled = 0
         self._keys_ok = self._keys_failed = self._bytes = 0
         self._busy_s = 0.0
-        self._by_kind: dict[str, list[float]] = {}  # kind -> [jobs, keys failed, bytes, s]
+        self._counters = counters
         self._warn = RateLimited(log, _WARN_INTERVAL_S)
 
     # --- submission --------------------------------------------------------------------
@@ -225,17 +233,11 @@ class Lane:
         n_ok = sum(result.ok)
         self._keys_ok += n_ok
         self._keys_failed += len(result.ok) - n_ok
-        tally = self._by_kind.get(result.kind.value)
-        if tally is None:
-            tally = self._by_kind[result.kind.value] = [0, 0, 0, 0.0]
-        whole = result.error is not None
-        tally[0] += 1
-        if result.kind is JobKind.LOOKUP:
-            tally[1] += len(result.ok) if whole else 0
-        else:
-            tally[1] += len(result.ok) - n_ok
-        tally[2] += 0 if whole else result.nbytes
-        tally[3] += busy
+        if self._counters is not None:
+            whole = result.error is not None
+            self._counters.job_ended(
+                result.kind, 0 if whole else result.nbytes, busy, len(result.ok) if whole else 0
+            )
 
     # --- shutdown and statistics -------------------------------------------------------
 
@@ -276,8 +278,4 @@ class Lane:
             self._bytes,
             self._busy_s,
             self._warn.suppressed,
-            {
-                kind: KindTally(int(t[0]), int(t[1]), int(t[2]), t[3])
-                for kind, t in list(self._by_kind.items())
-            },
         )

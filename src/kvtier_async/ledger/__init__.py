@@ -20,18 +20,20 @@ from ._types import (
     split_offload_key,
 )
 from .arc import ARCPolicy
+from .counters import DeviceCounters, TierCounters
 from .keys import prefix_keys
 from .lru import LRUPolicy
 from .policy import CachePolicy, RequestAccess, SlotTable
 from .primary import LedgerStatistics, PrimaryLedger
 from .registry import BUILTIN_POLICIES, check_policy, make_policy
-from .tiering import StorePolicy, TierCounters, TieringLedger, TierTask
+from .tiering import StorePolicy, TieringLedger, TierTask
 
 __all__ = [
     "BUILTIN_POLICIES",
     "ARCPolicy",
     "CPUSpec",
     "CachePolicy",
+    "DeviceCounters",
     "GPUSpec",
     "JobKind",
     "LRUPolicy",

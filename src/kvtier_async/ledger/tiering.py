@@ -64,9 +64,10 @@ from ._types import (
     OffloadingEvent,
     PrepareStoreOutput,
 )
+from .counters import TierCounters
 from .primary import PrimaryLedger
 
-__all__ = ["StorePolicy", "TierCounters", "TierTask", "TieringLedger"]
+__all__ = ["StorePolicy", "TierTask", "TieringLedger"]
 
 _NO_SLOTS: IntArray = np.zeros(0, dtype=np.int64)
 _NONE: frozenset[bytes] = frozenset()
@@ -87,16 +88,6 @@ class TierTask:
     keys: tuple[bytes, ...]
     slot_ids: IntArray
     generation: int
-
-
-@dataclass(slots=True)
-class TierCounters:
-    lookups: int = 0
-    lookup_hits: int = 0
-    promoted: int = 0
-    promote_failed: int = 0
-    cascaded: int = 0
-    cascade_failed: int = 0
 
 
 @dataclass(slots=True)
@@ -205,11 +196,20 @@ class TieringLedger:
         tier_names: Sequence[str],
         *,
         store_policy: StorePolicy = StorePolicy.BLOCK_LEVEL,
+        counters: Sequence[TierCounters] | None = None,
     ) -> None:
         self.primary = primary
         self.tier_names = list(tier_names)
         self.store_policy = store_policy
-        self.counters = [TierCounters() for _ in self.tier_names]
+        # Each tier's counter set (the tiers' own, `SecondaryTier.counters`, when a cache is
+        # assembled): the ledger adds its lookups, hits, promotions and cascades.
+        if counters is None:
+            counters = [TierCounters() for _ in self.tier_names]
+        elif len(counters) != len(self.tier_names):
+            raise ValueError(
+                f"counters: one per tier ({len(self.tier_names)}), got {len(counters)}"
+            )
+        self.counters = list(counters)
         self._lookups = [_TierLookups() for _ in self.tier_names]
         self._promotions: dict[tuple[int, Hashable], tuple[list[bytes], list[int]]] = {}
         self._queued: list[TierTask] = []  # cascades, pinned, not handed out yet
@@ -404,7 +404,7 @@ class TieringLedger:
             lookups.asking = 0
             lookups.answer(task.keys, ok)
             counters.lookups += len(task.keys)
-            counters.lookup_hits += len(good)
+            counters.hits += len(good)
             self._tier_changes += 1  # answers: a RETRY turns into a promotion or a miss
         elif task.kind is JobKind.PROMOTE:
             self._tier_changes += 1

@@ -19,6 +19,12 @@ Every method is a coroutine that never blocks the event loop: blocking system ca
 worker threads (``anyio.to_thread.run_sync``). A tier reports per-key outcomes; it raises
 only when the whole call failed (the engine then fails every key of the job).
 
+Counting: each tier owns one `kvtier_async.ledger.TierCounters` (``counters``), which the
+tiering ledger and the engine's lanes for the tier are handed too; a tier adds to it only
+what it alone sees (``written``: blocks a store wrote; ``present``: blocks it found stored
+already) and reports its own state in `statistics` (its kind's figures: what it holds,
+its breaker, what it deleted on its own).
+
 A block's name below a tier's root is `block_relpath` (`kvtier_async.tiers.blockfile`, with
 the block file format), the same for fs and obj.
 """
@@ -39,6 +45,7 @@ from pydantic import ConfigDict, PrivateAttr
 from kvtier_async._extras import S3 as S3_MODULES
 from kvtier_async._extras import MissingExtraError, require
 from kvtier_async.config import ConfigError, ConfigModel, NonEmptyStr, field_path, parse
+from kvtier_async.ledger import TierCounters
 
 __all__ = [
     "FORMAT_VERSION",
@@ -90,18 +97,12 @@ class TierContext:
 
 @dataclass(frozen=True)
 class TierStatistics:
-    """Counters a tier keeps; the engine adds its own (jobs, queue depth)."""
+    """A tier's own state: how it runs, what it holds; a kind's subclass adds its figures.
+    The events every tier has (lookups, hits, blocks and bytes moved, failures) are in its
+    `TierCounters`, each counted once, not here."""
 
     name: str
     kind: str
-    blocks_stored: int = 0
-    blocks_loaded: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    store_failures: int = 0
-    load_failures: int = 0
-    lookups: int = 0
-    lookup_hits: int = 0
     detail: str = ""
     used_bytes: int | None = None  # bytes the tier holds, where it keeps count (max_bytes)
     max_bytes: int | None = None  # its capacity, where it has one
@@ -117,6 +118,7 @@ class SecondaryTier(ABC):
         self.ctx = ctx
         self.read_workers = read_workers
         self.write_workers = write_workers
+        self.counters = TierCounters()  # shared with the ledger and the lanes (see above)
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Prepare (probe the storage, clean up leftovers). Raise with a clear message."""
@@ -146,7 +148,7 @@ class SecondaryTier(ABC):
 
     @abstractmethod
     def statistics(self) -> TierStatistics:
-        """Counters, and in ``detail`` how the tier runs (e.g. O_DIRECT or buffered)."""
+        """The tier's state, and in ``detail`` how it runs (e.g. O_DIRECT or buffered)."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

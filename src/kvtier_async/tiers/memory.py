@@ -54,16 +54,6 @@ class MemoryTier(SecondaryTier):
         self._data: OrderedDict[bytes, bytes] = OrderedDict()
         self._size = 0
         self._random = random.Random(seed)
-        self._stats = {
-            "stored": 0,
-            "loaded": 0,
-            "written": 0,
-            "read": 0,
-            "store_fail": 0,
-            "load_fail": 0,
-            "lookups": 0,
-            "hits": 0,
-        }
 
     def __contains__(self, key: object) -> bool:
         return key in self._data
@@ -85,10 +75,7 @@ class MemoryTier(SecondaryTier):
 
     async def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         await self._wait(self.lookup_latency_s)
-        found = [key in self._data for key in keys]
-        self._stats["lookups"] += len(keys)
-        self._stats["hits"] += sum(found)
-        return found
+        return [key in self._data for key in keys]
 
     async def store(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         await self._wait(self.latency_s)
@@ -96,15 +83,14 @@ class MemoryTier(SecondaryTier):
 
     def _store_one(self, key: bytes, block: memoryview) -> bool:
         if self._fails(key):
-            self._stats["store_fail"] += 1
             return False
         if key in self._data:
             self._data.move_to_end(key)
+            self.counters.present += 1
             return True
         self._data[key] = bytes(block)
         self._size += len(block)
-        self._stats["stored"] += 1
-        self._stats["written"] += len(block)
+        self.counters.written += 1
         self._evict()
         return True
 
@@ -120,28 +106,16 @@ class MemoryTier(SecondaryTier):
     def _load_one(self, key: bytes, block: memoryview) -> bool:
         value = self._data.get(key)
         if value is None or len(value) != len(block) or self._fails(key):
-            self._stats["load_fail"] += 1
             self._data.pop(key, None)
             return False
         block[:] = value
         self._data.move_to_end(key)
-        self._stats["loaded"] += 1
-        self._stats["read"] += len(value)
         return True
 
     def statistics(self) -> TierStatistics:
-        s = self._stats
         return TierStatistics(
             self.name,
             self.kind,
-            s["stored"],
-            s["loaded"],
-            s["written"],
-            s["read"],
-            s["store_fail"],
-            s["load_fail"],
-            s["lookups"],
-            s["hits"],
             detail=f"{len(self._data)} blocks in memory",
             used_bytes=self._size,
             max_bytes=self.capacity_bytes,

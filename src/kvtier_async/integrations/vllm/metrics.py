@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 
-from kvtier_async.metrics import ASYNC_API_ONLY, SERIES, Samples, deltas, samples, tier_metrics
+from kvtier_async.metrics import ASYNC_API_ONLY, SERIES, Samples, deltas, samples
 
 from ._compat import HAS_CONFIG_INFO, CPUOffloadingInfo, metric_sections
 from .layout import OffloadLayout
@@ -149,8 +149,8 @@ class SchedulerMetrics:
         return stats
 
     def _add_series(self, stats: OffloadingConnectorStats) -> None:
-        primary, tiers, lanes = self._scheduler.statistics()
-        now = samples(primary, tier_metrics(tiers, lanes), lanes)
+        primary, tiers = self._scheduler.statistics()
+        now = samples(primary, tiers, None)
         for name, values in deltas(self._sent, now).items():
             gauge = _TYPES[name] == "gauge"
             for labels, value in values.items():

@@ -75,7 +75,7 @@ import numpy.typing as npt
 
 from kvtier_async._log import get_logger
 from kvtier_async.assembly import Parts, assemble
-from kvtier_async.engine import Engine, LaneStatistics, ThreadedEngine
+from kvtier_async.engine import Engine, ThreadedEngine
 from kvtier_async.ledger import (
     CPUSpec,
     GPUSpec,
@@ -84,11 +84,11 @@ from kvtier_async.ledger import (
     OffloadingEvent,
     PrepareStoreOutput,
     StorePolicy,
-    TierCounters,
     make_offload_keys,
 )
 from kvtier_async.memory import SharedRegion, close_region
-from kvtier_async.tiers.base import TierContext, TierStatistics
+from kvtier_async.metrics import TierMetrics, tier_metrics
+from kvtier_async.tiers.base import TierContext
 
 from .config import ConnectorConfig
 from .layout import OffloadLayout
@@ -711,16 +711,13 @@ class ConnectorScheduler:
     def take_events(self) -> list[OffloadingEvent]:
         return self.ledger.take_events()
 
-    def statistics(
-        self,
-    ) -> tuple[LedgerStatistics, list[tuple[TierCounters, TierStatistics]], list[LaneStatistics]]:
-        """The CPU ledger's slots, each tier's counters and statistics, the tier lanes (read
-        from the engine's thread: plain counters, each exact)."""
+    def statistics(self) -> tuple[LedgerStatistics, list[TierMetrics]]:
+        """The CPU ledger's slots and each tier's figures (fed from the engine's thread:
+        plain counters, each exact)."""
         threaded = self._threaded
         engine = threaded.engine if threaded is not None else None
-        lanes = engine.statistics() if engine is not None else []
-        tiers = list(zip(self.ledger.counters, (t.statistics() for t in self.tiers)))
-        return self.ledger.primary.statistics(), tiers, lanes
+        depths = engine.queue_depths() if engine is not None else []
+        return self.ledger.primary.statistics(), tier_metrics(self.tiers, depths)
 
     def reset_cache(self) -> set[int] | None:
         """Flush the tier jobs, forget the device jobs in flight (the workers are told to

@@ -153,17 +153,6 @@ def parse_mode(value: object) -> int:
 # -- the async tier --------------------------------------------------------------------------
 
 
-@dataclass
-class _Counts:
-    blocks_stored: int = 0
-    blocks_present: int = 0
-    blocks_loaded: int = 0
-    store_failures: int = 0
-    load_failures: int = 0
-    lookups: int = 0
-    lookup_hits: int = 0
-
-
 @dataclass(frozen=True)
 class FsTierStatistics(TierStatistics):
     """`TierStatistics` plus the block files the fs tier deleted on its own."""
@@ -207,7 +196,6 @@ class FsTier(SecondaryTier):
         self._lookup_limiter = anyio.CapacityLimiter(1)
         self._files: BlockFiles | None = None
         self._usage: Usage | None = None
-        self._counts = _Counts()
         self._chunk_blocks = max(1, MIN_CHUNK_BYTES // max(1, ctx.block_bytes))
 
     @property
@@ -231,49 +219,35 @@ class FsTier(SecondaryTier):
         files = self._ready()
         if not keys:
             return []
-        found = await anyio.to_thread.run_sync(
+        return await anyio.to_thread.run_sync(
             files.exists_many, list(keys), limiter=self._lookup_limiter
         )
-        self._counts.lookups += len(found)
-        self._counts.lookup_hits += sum(found)
-        return found
 
     async def store(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         outcomes = await self._in_chunks(
             self._ready().store_many, keys, blocks, self._write_limiter
         )
-        counts = self._counts
-        counts.blocks_stored += outcomes.count(STORE_WRITTEN)
-        counts.blocks_present += outcomes.count(STORE_PRESENT)
-        counts.store_failures += outcomes.count(STORE_FAILED)
+        counters = self.counters
+        counters.written += outcomes.count(STORE_WRITTEN)
+        counters.present += outcomes.count(STORE_PRESENT)
         return [outcome != STORE_FAILED for outcome in outcomes]
 
     async def load(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         outcomes = await self._in_chunks(self._ready().load_many, keys, blocks, self._read_limiter)
-        self._counts.blocks_loaded += sum(outcomes)
-        self._counts.load_failures += len(outcomes) - sum(outcomes)
         return [bool(outcome) for outcome in outcomes]
 
     def take_removed(self) -> list[bytes]:
         return self._reports.removed.take()
 
     def statistics(self) -> FsTierStatistics:
-        counts, files, reports = self._counts, self._files, self._reports
+        files, reports = self._files, self._reports
         removed, store_errors = reports.removed, reports.store_errors
         detail = "closed" if files is None else files.describe()
         usage = self._usage
         return FsTierStatistics(
             name=self.name,
             kind=self.kind,
-            blocks_stored=counts.blocks_stored,
-            blocks_loaded=counts.blocks_loaded,
-            bytes_written=counts.blocks_stored * self.ctx.block_bytes,
-            bytes_read=counts.blocks_loaded * self.ctx.block_bytes,
-            store_failures=counts.store_failures,
-            load_failures=counts.load_failures,
-            lookups=counts.lookups,
-            lookup_hits=counts.lookup_hits,
-            detail=f"{detail} already_present={counts.blocks_present}",
+            detail=detail,
             used_bytes=None if usage is None else usage.used,
             max_bytes=None if usage is None else usage.max_bytes,
             removed_damaged=removed.counts[REMOVED_DAMAGED],

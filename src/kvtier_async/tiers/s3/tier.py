@@ -108,7 +108,6 @@ _WARN_INTERVAL_S: Final = 10.0
 class S3TierStatistics(TierStatistics):
     """`TierStatistics` plus what the obj tier adds."""
 
-    blocks_skipped: int = 0  # stores that found the object there already (no upload)
     corrupt_objects: int = 0  # loads and lookups that found a corrupt object (deleted)
     retries: int = 0  # requests sent again after throttling, 5xx or a connection error
     circuit_state: str = "closed"  # closed, open or probing
@@ -160,9 +159,7 @@ class S3Tier(SecondaryTier):
         breaker = Breaker(breaker_threshold, breaker_open_s, clock, breaker_timeouts)
         probe = self._head_bucket
         self._requests = Requests(name, config, breaker, backoff_s, probe, self._describe)
-        self._counts = dict.fromkeys(
-            ("stored", "skipped", "loaded", "written", "read", "store_failures",
-             "load_failures", "lookups", "hits", "corrupt", "lookup_timeouts"), 0)  # fmt: skip
+        self._corrupt_objects = self._lookup_timeouts = 0  # what only this kind counts
         self._removed = Removed()  # keys of corrupt objects deleted, for take_removed
         self._staging = Staging(config.staging_bytes, ctx.block_bytes)
 
@@ -261,16 +258,13 @@ class S3Tier(SecondaryTier):
         arrived for the load; an error or an open circuit answers False (a miss), never an
         exception."""
         self._require_open()
-        self._counts["lookups"] += len(keys)
         try:
             await self._requests.admit()  # before the fan-out, so a due probe is sent once
         except CircuitOpenError:
             return [False] * len(keys)
         if not keys:
             return []
-        found = await self._fan_out(lambda i: self._lookup_one(keys[i]), len(keys))
-        self._counts["hits"] += sum(found)
-        return found
+        return await self._fan_out(lambda i: self._lookup_one(keys[i]), len(keys))
 
     async def store(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
         """PUT every block unless its object exists; `CircuitOpenError` while it is open."""
@@ -289,19 +283,11 @@ class S3Tier(SecondaryTier):
         return self._removed.take()
 
     def statistics(self) -> S3TierStatistics:
-        counts, requests = self._counts, self._requests
+        requests = self._requests
         put = "conditional PUT" if self._conditional_put else "HEAD then PUT"
         return S3TierStatistics(
             name=self.name,
             kind=self.kind,
-            blocks_stored=counts["stored"],
-            blocks_loaded=counts["loaded"],
-            bytes_written=counts["written"],
-            bytes_read=counts["read"],
-            store_failures=counts["store_failures"],
-            load_failures=counts["load_failures"],
-            lookups=counts["lookups"],
-            lookup_hits=counts["hits"],
             detail=(
                 f"s3://{self.config.bucket}/{self.config.prefix} at "
                 f"{self.config.endpoint_url or 'AWS'}; {put}; "
@@ -310,13 +296,12 @@ class S3Tier(SecondaryTier):
                 f"lookup_timeout_s={self.config.lookup_timeout_s:g} "
                 f"staging_bytes={self.config.staging_bytes}"
             ),
-            blocks_skipped=counts["skipped"],
-            corrupt_objects=counts["corrupt"],
+            corrupt_objects=self._corrupt_objects,
             retries=requests.retries,
             circuit_state=requests.breaker.state,
             circuit_opens=requests.breaker.opens,
             timeouts=requests.timeouts,
-            lookup_timeouts=counts["lookup_timeouts"],
+            lookup_timeouts=self._lookup_timeouts,
             blocks_staged=self._staging.staged,
             bytes_staged=self._staging.staged * self.ctx.block_bytes,
             staged_loads=self._staging.served,
@@ -394,7 +379,7 @@ class S3Tier(SecondaryTier):
 
     def _lookup_failed(self, key: bytes, exc: Exception) -> None:
         if classify(exc) is Failure.TIMEOUT:
-            self._counts["lookup_timeouts"] += 1
+            self._lookup_timeouts += 1
         self._log_failure("obj lookup failed", key, exc)
 
     async def _store_one(self, key: bytes, block: memoryview) -> bool:
@@ -403,14 +388,12 @@ class S3Tier(SecondaryTier):
         try:
             written = await self._put(self.object_name(key), header, block)
         except Exception as exc:
-            self._counts["store_failures"] += 1
             self._log_failure("obj store failed", key, exc)
             return False
         if written:
-            self._counts["stored"] += 1
-            self._counts["written"] += block.nbytes
+            self.counters.written += 1
         else:
-            self._counts["skipped"] += 1
+            self.counters.present += 1
         return True
 
     async def _load_one(self, key: bytes, block: memoryview) -> bool:
@@ -423,23 +406,19 @@ class S3Tier(SecondaryTier):
             try:
                 await self._requests.send(functools.partial(self._get_into, name, key, block))
             except CorruptBlockError as exc:
-                self._counts["load_failures"] += 1
                 await self._corrupt(name, key, exc)
                 return False
             except Exception as exc:
-                self._counts["load_failures"] += 1
                 if status_of(exc) == 404:
                     log.debug("obj load missed", tier=self.name, key=key.hex())
                 else:
                     self._log_failure("obj load failed", key, exc)
                 return False
-        self._counts["loaded"] += 1
-        self._counts["read"] += block.nbytes
         return True
 
     async def _corrupt(self, name: str, key: bytes, exc: CorruptBlockError) -> None:
         """Count a corrupt object and delete it; once deleted, `take_removed` reports it."""
-        self._counts["corrupt"] += 1
+        self._corrupt_objects += 1
         log.warning("obj corrupt object deleted", tier=self.name, key=key.hex(), reason=str(exc))
         if await self._delete(name):
             self._removed.add(key, REMOVED_DAMAGED)
