@@ -214,7 +214,7 @@ def test_the_vllm_connector_never_shows_its_credentials(
         scheduler = h.connector.scheduler
         assert scheduler.ledger.counters[0].cascaded > 0
         shown += [repr(scheduler.config), str(scheduler.config), repr(h.connector)]
-        engine = scheduler._threaded.engine
+        engine = scheduler.tier_work.threaded.engine
         shown += [repr(engine.tiers), *(str(t.statistics()) for t in engine.tiers)]
     inline = [r.getMessage() for r in caplog.records if "set inline" in r.getMessage()]
     assert len(inline) == 1

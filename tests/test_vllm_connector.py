@@ -207,8 +207,8 @@ def test_cascades_wait_for_other_tier_work_or_their_hold(tmp_path: Path) -> None
     rng = random.Random(9)
     with vh.VllmHarness(num_gpu_blocks=40, **ours(secondary_tiers=[fs])) as h:
         scheduler = h.connector.scheduler
-        scheduler.cascade_hold_s = 3600.0  # never by time in this test
-        scheduler.cascade_hold_blocks = 1000
+        scheduler.tier_work.cascade_hold_s = 3600.0  # never by time in this test
+        scheduler.tier_work.cascade_hold_blocks = 1000
         counters = ledger(h).counters[0]
         h.add_request("first", random_tokens(rng, 100), max_tokens=2)
         steps = 0
@@ -225,10 +225,10 @@ def test_cascades_wait_for_other_tier_work_or_their_hold(tmp_path: Path) -> None
             assert steps < 100_000
             h.step()
             steps += 1
-        scheduler.cascade_hold_blocks = 2  # second's 2 blocks go once both wait
+        scheduler.tier_work.cascade_hold_blocks = 2  # second's 2 blocks go once both wait
         h.run_until_done()
         assert counters.cascaded == 8 and ledger(h).queued_cascades == 0
-        scheduler.cascade_hold_s = 0.0  # third's go at once
+        scheduler.tier_work.cascade_hold_s = 0.0  # third's go at once
         h.add_request("third", random_tokens(rng, 100), max_tokens=2)
         h.run_until_done()
         assert counters.cascaded == 14
@@ -249,7 +249,7 @@ def test_a_damaged_fs_block_is_not_loaded_and_its_removal_is_announced(tmp_path:
     config = ours(secondary_tiers=[fs], cpu_bytes_to_use=8 * 4096)
     with vh.VllmHarness(num_gpu_blocks=40, **config) as h:
         scheduler = h.connector.scheduler
-        (tier,) = scheduler._threaded.engine.tiers
+        (tier,) = scheduler.tier_work.threaded.engine.tiers
         assert isinstance(tier, FsTier)
         events: list[Any] = []
         take_events = scheduler.ledger.take_events
@@ -323,7 +323,7 @@ def test_a_request_waiting_on_a_lookup_is_answered_without_a_walk(tmp_path: Path
     release = threading.Event()
     with vh.VllmHarness(num_gpu_blocks=40, model_dir=model, **config) as h:
         scheduler = h.connector.scheduler
-        (tier,) = scheduler._threaded.engine.tiers
+        (tier,) = scheduler.tier_work.threaded.engine.tiers
         lookup = tier.lookup
 
         async def held_lookup(keys: Any) -> list[bool]:
@@ -374,7 +374,7 @@ def test_a_step_that_scheduled_nothing_waits_for_the_tier_and_a_busy_one_does_no
     release = threading.Event()
     with vh.VllmHarness(num_gpu_blocks=80, model_dir=model, **config) as h:
         scheduler = h.connector.scheduler
-        threaded = scheduler._threaded
+        threaded = scheduler.tier_work.threaded
         (tier,) = threaded.engine.tiers
         lookup = tier.lookup
 
@@ -395,7 +395,7 @@ def test_a_step_that_scheduled_nothing_waits_for_the_tier_and_a_busy_one_does_no
             h.add_request("second", [*prefix, 6], max_tokens=2)
             idle = [h.step().scheduled for _ in range(3)]
             assert all(out.total_num_scheduled_tokens == 0 for out in idle)
-            assert waits == [scheduler.idle_wait_s] * 3
+            assert waits == [scheduler.tier_work.idle_wait_s] * 3
             waits.clear()
             # Less than a block: no key to look up (a key would queue behind the held lookup).
             h.add_request("busy", random_tokens(rng, 12), max_tokens=8)

@@ -111,7 +111,7 @@ def tier_blocks(h: Any, keys: list[bytes]) -> dict[str, dict[bytes, bytes]]:
     """Per secondary tier, the keys it holds among ``keys`` and their bytes, read back
     through the tier's own load (which verifies its checksum)."""
     scheduler = h.connector.scheduler
-    engine = scheduler._threaded.engine
+    engine = scheduler.tier_work.threaded.engine
     size = scheduler.layout.block_span_bytes
     row = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
     mapping = memoryview(mmap.mmap(-1, row * len(keys)))
@@ -119,7 +119,7 @@ def tier_blocks(h: Any, keys: list[bytes]) -> dict[str, dict[bytes, bytes]]:
     out: dict[str, dict[bytes, bytes]] = {}
     try:
         for tier in engine.tiers:
-            ok = scheduler._threaded.call(tier.load, keys, blocks)
+            ok = scheduler.tier_work.threaded.call(tier.load, keys, blocks)
             out[tier.name] = {k: bytes(b) for k, b, good in zip(keys, blocks, ok) if good}
     finally:
         del blocks
@@ -184,7 +184,7 @@ def test_resets_with_stores_queued_leave_no_stale_bytes(tiers: list[dict[str, An
 
 
 def stores_in_flight(h: Any) -> bool:
-    return any(job.is_store for job in h.connector.scheduler._jobs.values())
+    return any(job.is_store for job in h.connector.scheduler._jobs)
 
 
 def holds_blocks_while_waiting(h: Any) -> bool:
@@ -280,8 +280,8 @@ def test_a_reset_cancels_tier_jobs_that_do_not_end_in_time(
     config = flushing([{"type": "memory", "name": "stuck"}], wait_timeout_s=0.2)
     with vh.VllmHarness(num_gpu_blocks=40, **config) as h:
         scheduler = h.connector.scheduler
-        tier = scheduler._threaded.engine.tiers[0]
-        gate = scheduler._threaded.call(anyio.Event)
+        tier = scheduler.tier_work.threaded.engine.tiers[0]
+        gate = scheduler.tier_work.threaded.call(anyio.Event)
         store = tier.store
 
         async def gated_store(keys: Any, blocks: Any) -> Any:
@@ -297,7 +297,7 @@ def test_a_reset_cancels_tier_jobs_that_do_not_end_in_time(
         assert scheduler.ledger.primary.statistics().used == 0
         assert scheduler.ledger.counters[0].cascade_failed > 0
         assert len(tier) == 0
-        scheduler._threaded.call(gate.set)
+        scheduler.tier_work.threaded.call(gate.set)
         h.add_request("second", vh.random_tokens(random.Random(4), 100), max_tokens=2)
         h.run_until_done()
         h.assert_no_leaks()
@@ -317,7 +317,7 @@ def test_a_reset_is_refused_while_a_tier_job_cannot_be_stopped(
     config = flushing([{"type": "memory", "name": "stuck"}], wait_timeout_s=0.2)
     with vh.VllmHarness(num_gpu_blocks=40, **config) as h:
         scheduler = h.connector.scheduler
-        tier = scheduler._threaded.engine.tiers[0]
+        tier = scheduler.tier_work.threaded.engine.tiers[0]
         release = threading.Event()
         store = tier.store
 

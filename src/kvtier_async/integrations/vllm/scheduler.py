@@ -27,30 +27,9 @@ below for the one bounded wait):
   (lookups, promotions, cascades) goes to the engine, and the loop is woken once.
 - ``update_connector_output``: a device job completes when every worker reported it.
 
-Cascades are not what a request waits for: they wait in the ledger (pinned) until other
-tier work goes out (a lookup or a promotion: the loop is woken anyway), the oldest waited
-``cascade_hold_s`` (20 ms), or ``cascade_hold_blocks`` (64) are queued. Each wake of the
-loop costs the scheduler thread a system call and its loop thread a turn with the GIL; in
-the sched benchmark, handing cascades out at most every 20 ms took about a tenth off our
-added step time with an fs tier, and the blocks still reach the tier within a few steps.
-
-Secondary tiers run on an `Engine` inside a `ThreadedEngine`. The ledger decides, the
-engine executes, this thread applies: a `TaskRunner` turns the ledger's tasks into jobs
-(one per kind and tier each step) and applies what ``poll`` returns at the start of
-``get_num_new_matched_tokens`` and ``build_connector_meta`` and at the end of
-``update_connector_output`` (`TaskRunner.collect`), with the blocks each tier deleted on
-its own meanwhile (damaged, GC: removal events); the device jobs the workers report are
-applied by the same runner (`TaskRunner.apply_copy`). An error while applying is logged,
-never raised into vLLM. Only ``reset_cache`` and ``shutdown`` wait.
-
-Idle steps. While a request waits for a tier (its lookup or promotion out), vLLM's engine
-core schedules nothing and steps again at once, holding the GIL but for the interpreter's
-switch interval (5 ms), which the tier engine's threads need several times per job: in a
-real engine a lookup took 30 ms and a promotion of 7.5 MB 40-60 ms, almost all of it waiting
-for the GIL. So a step that scheduled no token, with tier work out, ends with a wait for the
-tier's results (`ThreadedEngine.wait`, GIL released, ``idle_wait_s`` = 2 ms at most; a
-result ends it at once). A step with work to do never waits; a request that arrives during
-an idle wait is scheduled that much later.
+The tier side (`.tier_work.TierWork`: the runner, the tier engine on its thread, the CPU
+region, when cascades go out, the wait of an idle step, the flush) is its own module, with
+its own account of how tier results come back.
 
 ``reset_cache`` flushes every tier job (`ThreadedEngine.flush`, ``wait_timeout_s`` at most):
 a cascade reads a CPU slot and a promotion writes one, and the reset frees them all. If a
@@ -65,8 +44,7 @@ reused while a late copy may still touch it.
 from __future__ import annotations
 
 import itertools
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -74,40 +52,28 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier_async._log import get_logger
-from kvtier_async.assembly import Parts, assemble
-from kvtier_async.engine import Engine, ThreadedEngine
+from kvtier_async.assembly import assemble
 from kvtier_async.ledger import (
     CPUSpec,
     GPUSpec,
-    JobKind,
     LedgerStatistics,
     OffloadingEvent,
     PrepareStoreOutput,
     StorePolicy,
     make_offload_keys,
 )
-from kvtier_async.memory import SharedRegion, close_region
-from kvtier_async.metrics import TierMetrics, tier_metrics
+from kvtier_async.metrics import TierMetrics
 from kvtier_async.tiers.base import TierContext
 
 from .config import ConnectorConfig
+from .device_jobs import DeviceJobs
 from .layout import OffloadLayout
 from .metadata import DeviceJob, KVTierMetadata, KVTierWorkerMetadata
+from .tier_work import TierWork
 
 __all__ = ["ConnectorScheduler"]
 
 log = get_logger(__name__)
-
-
-@dataclass
-class _DeviceJobState:
-    req_id: str
-    keys: Sequence[bytes]
-    is_store: bool
-    pending: int
-    blocks: list[int]
-    failed: bool = False
-    sync: bool = False  # a sync load (see `ConnectorScheduler._load_async`)
 
 
 class _Walk(NamedTuple):
@@ -143,12 +109,8 @@ class _Request:
 
 
 class ConnectorScheduler:
-    #: How long cascades may wait to be handed out with other work (seconds), and how
-    #: many blocks of them may wait (see the module docstring).
-    cascade_hold_s = 0.02
-    cascade_hold_blocks = 64
-    #: How long a step that scheduled nothing waits for tier results (seconds).
-    idle_wait_s = 0.002
+    """vLLM's scheduler-side connector hooks (see the module docstring): the requests, their
+    walks, pins and device jobs; the tier side is `tier_work`."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> None:
         self.config = config
@@ -166,106 +128,21 @@ class ConnectorScheduler:
             instance_id=layout.instance_id,
         )
         parts = assemble(config, layout.num_slots, ctx)
-        tiers, self.ledger = parts.tiers, parts.ledger
+        self.ledger, self.tiers = parts.ledger, parts.tiers
         self._reqs: dict[str, _Request] = {}
         # Running requests with nothing left to store (``offload_prompt_only``): a request
         # joins when its cursors reach its prompt's end (`_maybe_settle`) and leaves when
         # they go back to 0 (`_rewind`) or it is dropped; stores skip it. Not a walk memo.
         self._settled: set[str] = set()
-        self._jobs: dict[int, _DeviceJobState] = {}
-        self._job_ids = itertools.count(1)
-        self._stale_below = 0  # device jobs from before a reset_cache are ignored
+        self._jobs = DeviceJobs(layout.num_workers)  # the copies the workers run
         self._step_loads: dict[int, DeviceJob] = {}
         # This step's sync loads: the requests, and their bytes (one worker's).
         self._step_sync: set[str] = set()
         self._step_sync_bytes = 0
         self._kv_bytes_per_token = layout.slot_bytes // layout.chunk_tokens
         self._step_allocated: set[int] = set()
-        self._reset_fence: dict[int, int] = {}  # device job flushed by a reset -> reports due
-        self._runner = parts.runner(batch=True)
-        self._cascades_since: float | None = None  # when the oldest queued cascade was
-        self._region: SharedRegion | None = None
-        self.tiers = tiers
         self.store_allocation_failures = 0  # stores the CPU tier had no room for
-        self._threaded: ThreadedEngine | None = self._start_engine(parts)
-
-    # --- the tier engine --------------------------------------------------------------
-
-    def _start_engine(self, parts: Parts) -> ThreadedEngine:
-        """The tier engine on its loop thread; started even with no tier (one code path:
-        idle, it is a thread parked on a socket, and the per-step cost of driving it is
-        measured whatever the configuration)."""
-        layout, tiers = self.layout, parts.tiers
-        block_view = self._block_view() if tiers else _no_block_view
-
-        def make() -> Engine:
-            return parts.engine(block_view)
-
-        threaded = ThreadedEngine(make).__enter__()
-        log.info(
-            "kvtier connector engine started",
-            tiers=[t.name for t in tiers],
-            slots=layout.num_slots,
-            instance=layout.instance_id,
-        )
-        return threaded
-
-    def _block_view(self) -> Callable[[int], memoryview]:
-        """Slot memory for the tiers: the CPU region, every worker's row of a slot."""
-        layout = self.layout
-        self._region = SharedRegion(
-            layout.instance_id,
-            layout.num_slots,
-            layout.slot_bytes,
-            num_workers=layout.num_workers,
-            worker_rank=0,
-            directory=self.config.region_dir,
-            wait_timeout_s=self.config.wait_timeout_s,
-            role="scheduler",  # a place taken twice (another engine, the same id) is refused
-            token=layout.token,
-        )
-        rows = self._region.rows.cast("B")
-        span = layout.row_bytes * layout.num_workers
-
-        def block_view(slot: int) -> memoryview:
-            return rows[slot * span : (slot + 1) * span]
-
-        return block_view
-
-    def _drain_tier_results(self) -> None:
-        """Apply the tier results that came back (see the module docstring)."""
-        threaded, runner = self._threaded, self._runner
-        if threaded is None or not runner.has_pending_work():  # nothing out: nothing back
-            return
-        results = threaded.poll()
-        if results:
-            runner.collect(results)
-
-    def _submit_tier_work(self) -> None:
-        """The deferred tier jobs, and jobs for the tasks the ledger decided since; the
-        cascades wait (see the module docstring) unless something else goes now, or the
-        oldest has waited `cascade_hold_s`, or `cascade_hold_blocks` are queued."""
-        threaded = self._threaded
-        if threaded is None or not self.tiers:
-            return  # no tier: no tier job, ever
-        ledger = self.ledger
-        cascades = ledger.has_urgent_work()
-        queued = ledger.queued_cascades
-        if queued:
-            now = time.monotonic()
-            if self._cascades_since is None:
-                self._cascades_since = now
-            cascades = (
-                cascades
-                or now - self._cascades_since >= self.cascade_hold_s
-                or queued >= self.cascade_hold_blocks
-            )
-            if cascades:
-                self._cascades_since = None
-        jobs = self._runner.take_jobs(cascades=cascades)
-        if jobs:
-            threaded.submit(jobs, wake=False)
-            threaded.wake()
+        self.tier_work = TierWork(parts, layout, config)  # the runner, the engine, the region
 
     # --- lookups ----------------------------------------------------------------------
 
@@ -298,14 +175,14 @@ class ConnectorScheduler:
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        self._drain_tier_results()
+        self.tier_work.drain()
         st = self._state(request)
         self._rewind(st)  # (re)starting: offer every block again
         st.block_ids = [[] for _ in st.block_ids]
         if st.jobs:
             self._unpin(st)
             return None, False
-        if self._reset_fence or st.load_failed:
+        if self._jobs.fenced or st.load_failed:
             # No promotion into a slot a late copy may touch; a failed load recomputes.
             self._unpin(st)
             return 0, False
@@ -447,24 +324,21 @@ class ConnectorScheduler:
     def _new_job(
         self, st: _Request, keys: Sequence[bytes], *, is_store: bool, blocks: list[int]
     ) -> int:
-        job_id = next(self._job_ids)
-        self._jobs[job_id] = _DeviceJobState(
-            st.req.request_id, keys, is_store, self.layout.num_workers, blocks
-        )
+        job_id = self._jobs.new(st.req.request_id, keys, is_store=is_store, blocks=blocks)
         st.jobs.add(job_id)
         return job_id
 
     # --- the end of a step: stores, flushes, tier work -------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        self._drain_tier_results()
+        self.tier_work.drain()
         self._update_block_tables(scheduler_output)
         flush = self._jobs_to_flush(scheduler_output)
         stores: dict[int, DeviceJob] = {}
         finished = set(scheduler_output.finished_req_ids or ())
         settled, scheduled = self._settled, scheduler_output.num_scheduled_tokens
         finished_stores: Iterable[str] = finished
-        if self._reset_fence:  # no store into a slot a late copy may touch: offered later
+        if self._jobs.fenced:  # no store into a slot a late copy may touch: offered later
             scheduled, finished_stores = {}, ()
         reqs = self._reqs
         # A settled request's prompt blocks were all considered: nothing to store.
@@ -485,17 +359,10 @@ class ConnectorScheduler:
         self._step_loads, self._step_allocated = {}, set()
         if self._step_sync_bytes:
             self._step_sync, self._step_sync_bytes = set(), 0
-        self._submit_tier_work()
+        self.tier_work.submit()
         if not scheduler_output.total_num_scheduled_tokens:
-            self._wait_idle()
+            self.tier_work.wait_idle()
         return meta
-
-    def _wait_idle(self) -> None:
-        """A step that scheduled nothing, with tier work out: wait for its results
-        (`idle_wait_s` at most) instead of spinning (see the module docstring)."""
-        threaded = self._threaded
-        if threaded is not None and self.tiers and self._runner.has_pending_work():
-            threaded.wait(self.idle_wait_s)
 
     def _update_block_tables(self, out: Any) -> None:
         for data in out.scheduled_new_reqs:
@@ -657,39 +524,19 @@ class ConnectorScheduler:
         if isinstance(meta, KVTierWorkerMetadata):
             for job_id, count in meta.completed.items():
                 self._job_reported(job_id, count, job_id in meta.failed)
-        self._drain_tier_results()
+        self.tier_work.drain()
 
     def _job_reported(self, job_id: int, count: int, failed: bool) -> None:
-        if job_id < self._stale_below:
-            self._fence_reported(job_id, count)
-            return
-        job = self._jobs.get(job_id)
+        job = self._jobs.reported(job_id, count, failed)
         if job is None:
-            return
-        job.pending -= count
-        job.failed |= failed
-        if job.pending > 0:
-            return
-        del self._jobs[job_id]
-        kind = JobKind.STORE if job.is_store else JobKind.LOAD
-        self._runner.apply_copy(kind, job.keys, (not job.failed,) * len(job.keys), job_id=job_id)
+            return  # workers still to report it (or one from before a reset)
+        self.tier_work.copy_done(job.is_store, job.keys, not job.failed, job_id)
         st = self._reqs.get(job.req_id)
         if st is not None:
             st.jobs.discard(job_id)
             st.load_failed |= job.failed and not job.is_store
             if st.finished and not st.jobs:
                 self._forget(job.req_id)
-
-    def _fence_reported(self, job_id: int, count: int) -> None:
-        due = self._reset_fence.get(job_id)
-        if due is None:
-            return
-        if due > count:
-            self._reset_fence[job_id] = due - count
-            return
-        del self._reset_fence[job_id]
-        if not self._reset_fence:
-            log.info("every device job a cache reset flushed was reported")
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """GPU blocks are freed at once: pending stores are flushed if they get reused."""
@@ -699,38 +546,24 @@ class ConnectorScheduler:
         return False, None
 
     def has_pending_work(self) -> bool:
-        threaded = self._threaded
-        return bool(
-            self._jobs
-            or self._reset_fence
-            or self._runner.has_pending_work()
-            or self.ledger.has_pending_work()
-            or (threaded is not None and threaded.has_pending_work())
-        )
+        jobs = self._jobs
+        return bool(len(jobs) or jobs.fenced or self.tier_work.has_pending_work())
 
     def take_events(self) -> list[OffloadingEvent]:
         return self.ledger.take_events()
 
     def statistics(self) -> tuple[LedgerStatistics, list[TierMetrics]]:
-        """The CPU ledger's slots and each tier's figures (fed from the engine's thread:
-        plain counters, each exact)."""
-        threaded = self._threaded
-        engine = threaded.engine if threaded is not None else None
-        depths = engine.queue_depths() if engine is not None else []
-        return self.ledger.primary.statistics(), tier_metrics(self.tiers, depths)
+        """The CPU ledger's slots and each tier's figures (`TierWork.statistics`)."""
+        return self.tier_work.statistics()
 
     def reset_cache(self) -> set[int] | None:
         """Flush the tier jobs, forget the device jobs in flight (the workers are told to
         flush them; a fence waits for their reports), clear the CPU tier; returns the
         device jobs to flush, or None when a tier job could not be made to end in time
         (nothing was reset then)."""
-        if not self._flush_tier_work():
+        if not self.tier_work.flush():
             return None
-        flushed = set(self._jobs)
-        for job_id, job in self._jobs.items():
-            self._reset_fence[job_id] = job.pending
-        self._jobs.clear()
-        self._stale_below = next(self._job_ids)
+        flushed = self._jobs.fence()
         for st in self._reqs.values():
             st.jobs.clear()
             st.pinned, st.pinned_slots = [], None
@@ -749,61 +582,9 @@ class ConnectorScheduler:
                 self.ledger.note_positions(req_id, keys)
         return flushed
 
-    def _flush_tier_work(self, timeout: float | None = None) -> bool:
-        """End every tier job (see the module docstring), cascades queued in the ledger
-        included, within ``timeout`` (default ``wait_timeout_s``); False if some are still
-        running."""
-        threaded = self._threaded
-        if threaded is None:
-            return True
-        timeout = self.config.wait_timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        runner = self._runner
-        self._drain_tier_results()
-        while self.ledger.has_pending_work():
-            runner.take_jobs()  # a flush takes jobs not handed over yet
-            jobs = runner.in_flight()
-            if not jobs:
-                break
-            left = max(0.0, deadline - time.monotonic())
-            abandoned = threaded.flush(jobs, left, grace_s=min(1.0, timeout))
-            self._drain_tier_results()
-            if not abandoned:
-                continue
-            out = {job.job_id for job in runner.in_flight()}
-            running = [task for job in abandoned if job.job_id in out for task in job.tasks]
-            log.warning(
-                "reset_cache: tier jobs abandoned at the deadline",
-                jobs=len(abandoned),
-                still_running=[(t.kind.value, t.tier, len(t.keys)) for t in running],
-                timeout_s=timeout,
-            )
-            if running:
-                log.warning("reset_cache refused: tier jobs still touch the CPU tier")
-                return False
-        return True
-
     def shutdown(self) -> None:
-        """Hand the cascades still queued to the tiers and wait for the tier jobs out, for
-        ``close_timeout_s`` at most (blocks stored in the CPU tier reach the files and the
-        object store, where the next engine finds them), then stop the tier engine."""
-        if self._threaded is not None:
-            try:
-                if self.tiers and not self._flush_tier_work(self.config.close_timeout_s):
-                    log.warning(
-                        "shutdown: tier jobs abandoned", timeout_s=self.config.close_timeout_s
-                    )
-            except Exception as exc:  # never raised into vLLM's shutdown
-                log.warning("shutdown: the last tier jobs failed", error=repr(exc))
-            self._threaded.close()  # then dropped: its engine holds views of the region
-            self._threaded = None
-        region, self._region = self._region, None
-        if region is not None:
-            close_region(region)
-
-
-def _no_block_view(slot: int) -> memoryview:
-    raise RuntimeError("no secondary tier: no slot memory is needed")
+        """The last tier jobs, then the tier engine and the region (`TierWork.close`)."""
+        self.tier_work.close()
 
 
 def _aborted(req: Any) -> bool:
