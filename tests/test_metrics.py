@@ -233,6 +233,20 @@ async def test_the_ledger_the_lanes_and_the_tier_feed_one_counter_set(tmp_path: 
         assert cache.stats().device.store_bytes == 4 * BLOCK
 
 
+def test_each_series_name_is_written_once_in_the_package() -> None:
+    """A series' name lives in its `Series`, which carries its reader: no other module of
+    the package spells it (the vLLM face reads `SERIES`)."""
+    from kvtier_async.metrics import SERIES
+
+    package = Path(base.__file__).resolve().parents[1]
+    sources = {p: p.read_text() for p in package.rglob("*.py")}
+    for series in SERIES:
+        spelled = [
+            p.name for p, text in sources.items() for _ in range(text.count(f'"{series.name}"'))
+        ]
+        assert spelled == ["metrics.py"], (series.name, spelled)
+
+
 # --- KV events ---------------------------------------------------------------------------------
 
 

@@ -79,19 +79,22 @@ class Series:
     documentation: str
     labels: tuple[str, ...]
     read: Callable[[Figures], Values]
+    async_api_only: bool = False  # the connector's copies are vLLM's own series
 
 
-def _tier(read: Callable[[TierMetrics], Mapping[tuple[str, ...], float | None]]) -> Any:
+def _tier(
+    read: Callable[[TierMetrics], Mapping[tuple[str, ...], float | None]],
+) -> Callable[[Figures], Values]:
     """A per-tier series' reader: ``read`` gives one tier's values by the labels after
     ``tier`` (a None value: the tier has no such figure)."""
 
     def values(figures: Figures) -> Values:
-        return {
-            (t.name, *labels): value
-            for t in figures.tiers
-            for labels, value in read(t).items()
-            if value is not None
-        }
+        out: dict[tuple[str, ...], float] = {}
+        for t in figures.tiers:
+            for labels, value in read(t).items():
+                if value is not None:
+                    out[(t.name, *labels)] = value
+        return out
 
     return values
 
@@ -172,14 +175,14 @@ SERIES: tuple[Series, ...] = (
     Series("kvtier_device_bytes", "counter",
            "Bytes copied between the caller's blocks and the CPU tier: direction store or load "
            "(async API; the vLLM connector reports vllm:kv_offload_store_bytes / _load_bytes).",
-           ("direction",), _device(bytes_=True)),
+           ("direction",), _device(bytes_=True), async_api_only=True),
     Series("kvtier_device_seconds", "counter",
            "Seconds of copy time between the caller's blocks and the CPU tier, by direction "
            "(async API).",
-           ("direction",), _device(bytes_=False)),
+           ("direction",), _device(bytes_=False), async_api_only=True),
 )  # fmt: skip
 _BY_NAME = {s.name: s for s in SERIES}
-ASYNC_API_ONLY = frozenset({"kvtier_device_bytes", "kvtier_device_seconds"})
+ASYNC_API_ONLY = frozenset(s.name for s in SERIES if s.async_api_only)
 """Series only `TieredKVCache` has (the connector's copies are vLLM's own series)."""
 
 

@@ -1,7 +1,8 @@
-"""The connector test kit: vLLM 0.33's real scheduler and a fake model, on the CPU.
+"""The connector harness: vLLM 0.33's real scheduler and a fake model, on the CPU.
 
-For testing and benchmarking a KV connector inside vLLM's own `Scheduler` without a GPU
-(``kvtier bench sched`` and the project's connector tests use it). Importing it imports vLLM,
+For benchmarking and testing a KV connector inside vLLM's own `Scheduler` without a GPU:
+``kvtier bench sched`` (a user command) runs on it, so it ships in the package, imported
+only when that command runs; the project's connector tests use it too. Importing it imports vLLM,
 which the kit needs installed beside the package: vLLM 0.33.0 (on a CPU-only torch, its
 scheduler side with ``--no-deps``, as ``nox -s bench`` installs it); the rest of the kit's
 needs come with the ``bench`` extra. The engine and the connector never import it.
