@@ -5,8 +5,11 @@ tiny model, ``kvtier_async.bench.e2e``'s engine settings), with every KV-connect
 vLLM's ``Scheduler.schedule`` / ``update_from_output`` and ``EngineCore.step`` wrapped in a
 timer. For ``--prompts`` prompts of ``TOKENS`` tokens it computes each prompt, then times
 vLLM's own prefix-cache hit (the same prompt again) and, with the connector, the CPU tier's
-hit after vLLM's prefix cache was reset; per case the median first token and, with
-``--hooks``, the median time and calls of each hook within it. The first prompt is a warm-up.
+hit after vLLM's prefix cache was reset, and with ``--fs`` the fs tier's hit after our CPU
+tier was cleared as well; per case the median first token and, with ``--hooks``, the median
+time and calls of each hook within it (``step``: the engine's steps, each a round trip of
+the scheduler's hooks; ``(fs lookup jobs)`` and ``(fs promotion jobs)``: the fs tier's job
+run time in the case, from its counters). The first prompt is a warm-up.
 
 ``--connector none`` runs the engine without our connector: its prefix-cache hit is the floor
 `kvtier bench e2e` compares with. The two modes run in separate processes one after the
@@ -16,6 +19,7 @@ Run in the e2e environment (``nox -s e2e`` builds it)::
 
     .nox/e2e/bin/python tools/trace_hit.py 2048 --connector none
     .nox/e2e/bin/python tools/trace_hit.py 2048 --hooks
+    .nox/e2e/bin/python tools/trace_hit.py 2048 --hooks --fs
 """
 
 from __future__ import annotations
@@ -80,6 +84,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts, the first a warm-up")
     parser.add_argument("--connector", choices=("kvtier", "none"), default="kvtier")
     parser.add_argument("--hooks", action="store_true", help="show each hook's median time")
+    parser.add_argument(
+        "--fs", action="store_true", help="also our fs tier's hit (the CPU tier cleared first)"
+    )
     args = parser.parse_args()
     if args.tokens < 256 or args.prompts < 2:
         parser.error("tokens: at least 256; --prompts: at least 2 (the first is a warm-up)")
@@ -117,12 +124,21 @@ def main() -> None:
                 core.step_fn()
                 time.sleep(0.001)
 
+        # The fs tier's counters (`kvtier_async.ledger.TierCounters`): its lanes' run time.
+        tiers = core.scheduler.connector.scheduler.tiers if args.connector == "kvtier" else []
+
         def first_token(prompt: list[int]) -> tuple[float, dict[str, float], dict[str, int]]:
             spent.clear()
             calls.clear()
+            before = [t.counters.copy() for t in tiers]
             started = time.perf_counter()
             llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-            return time.perf_counter() - started, dict(spent), dict(calls)
+            took = time.perf_counter() - started
+            for tier, was in zip(tiers, before, strict=True):
+                now = tier.counters
+                spent["(fs lookup jobs)"] = now.lookup_seconds - was.lookup_seconds
+                spent["(fs promotion jobs)"] = now.read_seconds - was.read_seconds
+            return took, dict(spent), dict(calls)
 
         cases: dict[str, list[tuple[float, dict[str, float], dict[str, int]]]] = {}
         for prompt in prompt_ids(args.prompts, args.tokens, seed=args.tokens):
@@ -135,7 +151,11 @@ def main() -> None:
             if args.connector == "kvtier":
                 cases.setdefault("our CPU tier's hit", []).append(first_token(prompt))
                 settle()
-                llm.reset_prefix_cache(reset_connector=False)
+                llm.reset_prefix_cache(reset_connector=args.fs)
+                if args.fs:  # our CPU tier cleared too: the blocks come from the files
+                    cases.setdefault("our fs tier's hit", []).append(first_token(prompt))
+                    settle()
+                    llm.reset_prefix_cache(reset_connector=True)
         llm.llm_engine.engine_core.shutdown()
 
     for case, runs in cases.items():
