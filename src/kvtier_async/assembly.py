@@ -19,7 +19,6 @@ from kvtier_async import defaults
 from kvtier_async.engine import Engine, Executor, JobResult, TaskRunner
 from kvtier_async.engine.engine import BlockView
 from kvtier_async.ledger import PrimaryLedger, TieringLedger
-from kvtier_async.ledger.tiering import StorePolicy
 from kvtier_async.settings import CommonConfig
 from kvtier_async.tiers.base import SecondaryTier, TierContext, make_tier
 
@@ -76,7 +75,7 @@ def assemble(config: CommonConfig, num_slots: int, ctx: TierContext) -> Parts:
     ledger = TieringLedger(
         primary,
         [tier.name for tier in tiers],
-        store_policy=StorePolicy(config.store_policy),
+        store_policy=config.store_policy,
         counters=[tier.counters for tier in tiers],  # one set per tier, fed by both
     )
     return Parts(config, tiers, ledger)

@@ -13,7 +13,7 @@ Each lane feeds the counter set it is given (`JobCounters`: its tier's
 `kvtier_async.ledger.TierCounters`, or the device lane's `DeviceCounters`) as each job ends:
 bytes moved and seconds of run time, by kind. A lookup's "not found" is an answer, not a
 failure: only keys of a lookup job that failed whole count as failed. `LaneStatistics` is the
-lane's own state (queues, workers, jobs by outcome), not its tier's figures.
+lane's own state (its queues, the jobs running, the jobs by outcome), not its tier's figures.
 """
 
 from __future__ import annotations
@@ -61,16 +61,7 @@ class LaneStatistics:
     completed: int
     failed: int
     cancelled: int
-    keys_ok: int
-    keys_failed: int
-    bytes: int
-    busy_s: float
     warnings_suppressed: int = 0  # "job failed" lines not logged (rate-limited)
-
-    @property
-    def gbps(self) -> float:
-        """Bytes moved per second of job run time (summed over workers), in GB/s."""
-        return self.bytes / self.busy_s / 1e9 if self.busy_s else 0.0
 
 
 class Lane:
@@ -98,8 +89,6 @@ class Lane:
         self._queued = 0
         self.closed = False
         self._running = self._completed = self._failed = self._cancelled = 0
-        self._keys_ok = self._keys_failed = self._bytes = 0
-        self._busy_s = 0.0
         self._counters = counters
         self._warn = RateLimited(log, _WARN_INTERVAL_S)
 
@@ -217,9 +206,7 @@ class Lane:
 
     def _finish(self, handle: JobHandle, result: JobResult, start: float) -> None:
         self._running -= 1
-        busy = time.perf_counter() - start
-        self._busy_s += busy
-        self._count(result, busy)
+        self._count(result, time.perf_counter() - start)
         handle.settle(result)
 
     def _count(self, result: JobResult, busy: float) -> None:
@@ -229,10 +216,6 @@ class Lane:
             self._failed += 1
         else:
             self._completed += 1
-            self._bytes += result.nbytes
-        n_ok = sum(result.ok)
-        self._keys_ok += n_ok
-        self._keys_failed += len(result.ok) - n_ok
         if self._counters is not None:
             whole = result.error is not None
             self._counters.job_ended(
@@ -273,9 +256,5 @@ class Lane:
             self._completed,
             self._failed,
             self._cancelled,
-            self._keys_ok,
-            self._keys_failed,
-            self._bytes,
-            self._busy_s,
             self._warn.suppressed,
         )
