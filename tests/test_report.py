@@ -10,6 +10,7 @@ import pytest
 from kvtier_async.bench.report import (
     JSON_KEYS,
     BenchRecord,
+    budget_record,
     latency_record,
     render_table,
     throughput_record,
@@ -62,6 +63,30 @@ def test_no_target_means_no_verdict() -> None:
 def test_zero_denominator_is_rejected(make: Callable[..., BenchRecord]) -> None:
     with pytest.raises(ValueError, match="denominator"):
         make("b", "c", "m", 0.0, reference=0.0)
+
+
+def test_a_budget_record_holds_the_figure_against_the_budget() -> None:
+    within = budget_record("obj", "4k", "RTTs", 1.5, budget=3.0, budget_name="3 RTTs")
+    over = budget_record("obj", "4k", "RTTs", 4.0, budget=3.0, budget_name="3 RTTs")
+    assert (within.ratio, within.target, within.meets) == (pytest.approx(2.0), 1.0, True)
+    assert (over.ratio, over.meets) == (pytest.approx(0.75), False)
+    assert within.reference_name == "3 RTTs"
+
+
+def test_nothing_added_is_within_any_budget_and_has_no_ratio() -> None:
+    # a quick run on a loaded machine measured no added round trip (the CI failure of stop
+    # 51: a ratio of 3 / 0 was rejected and took the whole benchmark down)
+    record = budget_record("obj", "4k", "RTTs", 0.0, budget=3.0, budget_name="3 RTTs")
+    assert (record.ours, record.reference, record.ratio, record.meets) == (0.0, 3.0, None, True)
+    assert json.loads(record.to_json_line())["ratio"] is None
+
+
+@pytest.mark.parametrize(("ours", "budget"), [(-0.5, 3.0), (1.0, 0.0)])
+def test_a_budget_record_rejects_a_negative_figure_or_an_empty_budget(
+    ours: float, budget: float
+) -> None:
+    with pytest.raises(ValueError, match="budget record"):
+        budget_record("obj", "4k", "RTTs", ours, budget=budget, budget_name="b")
 
 
 def test_json_line_has_exactly_the_design_keys_in_order() -> None:

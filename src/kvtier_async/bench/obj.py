@@ -38,7 +38,7 @@ from kvtier_async.tiers.base import TierContext
 from kvtier_async.tiers.s3 import S3Config, S3Tier
 
 from .rclone import LatencyProxy, RcloneS3Server, rclone_available
-from .report import BenchRecord, latency_record
+from .report import BenchRecord, budget_record, latency_record
 from .s3 import aligned_blocks
 
 __all__ = ["run"]
@@ -223,17 +223,19 @@ def _records(
                 f"(HEAD and GET: {headed_rtt * 1e3:.1f} ms, "
                 f"{(headed_rtt - headed) / rtt:.1f} RTTs)"
             )
+            case = f"{prompt} prompt: round trips added at {rtt * 1e3:.0f} ms RTT"
             records.append(
-                latency_record(
+                budget_record(
                     BENCH,
-                    f"{prompt} prompt: round trips added at {rtt * 1e3:.0f} ms RTT",
+                    case,
                     "RTTs",
                     added,
-                    reference=RTT_BUDGET if budgeted else None,
-                    reference_name=BUDGET_NAME if budgeted else None,
-                    target=1.0 if budgeted else None,
+                    budget=RTT_BUDGET,
+                    budget_name=BUDGET_NAME,
                     unit="RTTs",
                 )
+                if budgeted
+                else latency_record(BENCH, case, "RTTs", added, unit="RTTs")
             )
     return records
 

@@ -16,6 +16,7 @@ __all__ = [
     "JSON_KEYS",
     "BenchRecord",
     "as_quick",
+    "budget_record",
     "latency_record",
     "misses",
     "render_table",
@@ -92,6 +93,30 @@ def latency_record(
     """A record where less is better: ``ratio = reference / ours``, so above 1 is better."""
     ratio = None if reference is None else _divide(reference, ours)
     return _record(bench, case, metric, ours, reference, reference_name, ratio, target, unit)
+
+
+def budget_record(
+    bench: str,
+    case: str,
+    metric: str,
+    ours: float,
+    *,
+    budget: float,
+    budget_name: str,
+    unit: str = "",
+) -> BenchRecord:
+    """A record held against a fixed *budget* (not a measurement) where less is better.
+
+    ``ratio = budget / ours`` and the target is 1x (within the budget). A figure of 0 is a
+    real outcome here (nothing added), unlike a time of 0: it is within any budget, so
+    ``meets`` is true and the ratio, which would be infinite, is left out (None)."""
+    if ours < 0 or budget <= 0:
+        raise ValueError(
+            f"a budget record needs ours >= 0 and budget > 0, not {ours!r}, {budget!r}"
+        )
+    if ours == 0:
+        return BenchRecord(bench, case, metric, ours, budget, budget_name, None, 1.0, True, unit)
+    return _record(bench, case, metric, ours, budget, budget_name, budget / ours, 1.0, unit)
 
 
 def _divide(numerator: float, denominator: float) -> float:
