@@ -9,13 +9,14 @@ the state machines (tests/test_ledger_stateful.py) check them on random operatio
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 
 from kvtier_async.api import CacheConfig
 from kvtier_async.integrations.vllm.config import ConnectorConfig
 from kvtier_async.ledger import PrimaryLedger, make_policy
-from kvtier_async.ledger.adaptive import AdaptivePolicy
+from kvtier_async.ledger.adaptive import LEAD_EPOCHS, AdaptivePolicy, _significant_lead
 from kvtier_async.ledger.policies import SlotTable
 from kvtier_async.ledger.s3fifo import S3FIFOPolicy
 from kvtier_async.ledger.sieve import SievePolicy
@@ -250,3 +251,21 @@ def test_adaptive_leaves_reuse_where_recency_is_all() -> None:
     assert isinstance(policy, AdaptivePolicy)
     assert policy.switches and policy.switches[0][1] in ("lru", "arc")
     assert reuse < 0.5 * lru and adaptive > 0.9 * lru
+
+
+def test_a_switch_needs_a_lead_that_is_large_and_no_accident() -> None:
+    live = deque([500, 520, 480, 510, 490])
+    # 10% ahead in every epoch, give or take a little: a lead worth a switch
+    steady = deque([552, 570, 530, 563, 538])
+    assert _significant_lead(steady, live) == pytest.approx(50.6)
+    # 4.4% ahead on average, but the epochs disagree: noise, not a better policy
+    noisy = deque([560, 480, 550, 480, 540])
+    assert sum(noisy) > 1.03 * sum(live)
+    assert _significant_lead(noisy, live) == 0.0
+    # steady, but within the margin: not worth the hits a switch costs
+    close = deque([h + 10 for h in live])
+    assert _significant_lead(close, live) == 0.0
+    # too few epochs to judge, however far ahead
+    assert _significant_lead(deque([900] * (LEAD_EPOCHS - 1)), deque([500] * 4)) == 0.0
+    # the same lead in every epoch (no spread at all) is significant
+    assert _significant_lead(deque([600] * 5), deque([500] * 5)) == 100.0
