@@ -32,9 +32,10 @@ guessed:
   policy then hands its held keys, coldest first, to a fresh instance of the candidate
   (`KeyedPolicy.adopt`, or fresh inserts), which serves from then on. Pins, writes and
   running requests carry on (a request's policy state is tagged with the live policy's
-  generation, so the new policy never reads the old one's). The test replaced a rule of
-  five epochs in a row ahead by the margin, which switched on the held-out synthetic trace
-  at 10% on a lead of noise (0.986x the better of vLLM's LRU and ARC; no switch: 0.998x).
+  generation, so the new policy never reads the old one's). This paired test replaced a
+  rule of five epochs in a row ahead by the margin, which switched on Mooncake's synthetic
+  trace at 10% on a lead of noise (0.986x the better of vLLM's LRU and ARC; no switch:
+  0.998x).
 
 The numbers are fixed, not fitted to a trace. The first live policy is `reuse`: at or above
 0.99x the better of vLLM's LRU and ARC on every trace it was judged on, so the cache starts
