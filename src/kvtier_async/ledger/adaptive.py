@@ -21,8 +21,7 @@ guessed:
   first, counts as hits those before its first miss, loads them and stores the rest. The
   shadows hold keys only, no data.
 - *Scores over recent traffic.* Each shadow capacity's worth of sampled reads ends an
-  *epoch*; each shadow keeps its hits of the latest `WINDOW_EPOCHS` epochs (and, for
-  inspection, a score: ``SCORE_DECAY`` times its score plus the epoch's hits).
+  *epoch*; each shadow keeps its hits of the latest `WINDOW_EPOCHS` epochs, its score.
 - *Switching without a stop, on evidence only.* A switch costs hits: the new policy starts
   from the old one's order with none of its history (counts, ghosts). So a candidate takes
   over only when its lead over the live policy is both large and no accident: over the
@@ -73,7 +72,6 @@ FIRST: Final = "reuse"
 MIN_SHADOW_SLOTS: Final = 2048
 MAX_SAMPLE_SHIFT: Final = 5  # a 32nd of the keys at most
 EPOCH_CAPACITIES: Final = 1.0
-SCORE_DECAY: Final = 0.9  # an epoch's weight in the score, one epoch later
 SWITCH_MARGIN: Final = 0.03
 LEAD_EPOCHS: Final = 5  # the fewest epochs a lead is judged on
 WINDOW_EPOCHS: Final = 10  # the epochs a lead is judged on, at most (the latest)
@@ -102,7 +100,6 @@ class _Shadow:
         "name",
         "policy",
         "positions",
-        "score",
         "store_misses",
         "table",
     )
@@ -113,7 +110,6 @@ class _Shadow:
         self.free = list(range(capacity - 1, -1, -1))
         self.policy = cls(capacity, self.table)
         self.hits = 0
-        self.score = 0.0
         self.history: deque[int] = deque(maxlen=WINDOW_EPOCHS)  # hits per epoch, latest last
         # What the policy needs of a replay: request positions and state (LRU), the
         # store-miss hook, the end of each request (all but the literature's).
@@ -170,18 +166,19 @@ class _Shadow:
 
 def _significant_lead(candidate: deque[int], live: deque[int]) -> float:
     """The candidate's mean lead in hits per epoch over the live policy's, in the epochs both
-    were scored on (the latest `WINDOW_EPOCHS`), when it is a lead worth a switch; else 0.
+    were both scored on (the latest `WINDOW_EPOCHS`: every shadow's window has the same
+    epochs), when it is a lead worth a switch; else 0.
 
     Worth a switch: judged on at least `LEAD_EPOCHS` epochs, above `SWITCH_MARGIN` of the
     live policy's mean, and above `SWITCH_Z` standard errors of the per-epoch differences
     (a paired test: both shadows saw the same reads, so an epoch's difference is the
     policies', not the traffic's). A lead of a few noisy epochs is not one."""
-    n = min(len(candidate), len(live))
+    n = len(live)
     if n < LEAD_EPOCHS:
         return 0.0
-    diffs = [c - v for c, v in zip(list(candidate)[-n:], list(live)[-n:], strict=True)]
+    diffs = [c - v for c, v in zip(candidate, live, strict=True)]
     mean = sum(diffs) / n
-    if mean <= SWITCH_MARGIN * sum(list(live)[-n:]) / n:
+    if mean <= SWITCH_MARGIN * sum(live) / n:
         return 0.0
     variance = sum((d - mean) ** 2 for d in diffs) / (n - 1)
     if mean <= SWITCH_Z * math.sqrt(variance / n):
@@ -235,7 +232,6 @@ class AdaptivePolicy(CachePolicy):
         self._epoch_reads = 0
         self.epochs += 1
         for shadow in self._shadows:
-            shadow.score = shadow.score * SCORE_DECAY + shadow.hits
             shadow.history.append(shadow.hits)
             shadow.hits = 0
         live = next(s for s in self._shadows if s.name == self.live)
@@ -265,8 +261,8 @@ class AdaptivePolicy(CachePolicy):
         self.switches.append((self.epochs, name))
 
     def scores(self) -> dict[str, float]:
-        """Each candidate's score (for inspection and tests)."""
-        return {s.name: s.score for s in self._shadows}
+        """Each candidate's hits in the latest `WINDOW_EPOCHS` epochs (for inspection and tests)."""
+        return {s.name: float(sum(s.history)) for s in self._shadows}
 
     # --- a request's policy state, tagged with the live policy's generation ---------------
 
@@ -341,6 +337,5 @@ class AdaptivePolicy(CachePolicy):
             shadow.table.slot_of.clear()
             shadow.free = list(range(self._shadow_capacity - 1, -1, -1))
             shadow.hits = 0
-            shadow.score = 0.0
             shadow.history.clear()
         self._epoch_reads = 0
