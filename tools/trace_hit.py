@@ -125,7 +125,11 @@ def main() -> None:
                 time.sleep(0.001)
 
         # The fs tier's counters (`kvtier_async.ledger.TierCounters`): its lanes' run time.
-        fs = core.scheduler.connector.scheduler.tiers[0] if args.connector == "kvtier" else None
+        fs = (
+            core.scheduler.connector.scheduler.tiers[0]
+            if args.fs and args.connector == "kvtier"
+            else None
+        )
 
         def first_token(prompt: list[int]) -> tuple[float, dict[str, float], dict[str, int]]:
             spent.clear()
@@ -165,9 +169,8 @@ def main() -> None:
             for name in sorted({name for run in runs for name in run[1]}):
                 took = statistics.median(run[1].get(name, 0.0) for run in runs)
                 count = statistics.median(run[2].get(name, 0) for run in runs)
-                calls_ = (
-                    "" if name.startswith("(") else f"  x{count:g}"
-                )  # a job's time, not a hook's
+                # a name in brackets is a job's time, not a hook's: it has no calls
+                calls_ = "" if name.startswith("(") else f"  x{count:g}"
                 print(f"    {name:32s} {took * 1e3:7.3f} ms{calls_}")
 
 
