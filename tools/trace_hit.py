@@ -1,15 +1,16 @@
-"""Where a CPU-tier hit's first token goes, traced through one whole vLLM engine.
+"""Where a tier hit's first token goes, traced through one whole vLLM engine.
 
 A trace, not a benchmark (issue 40 item 1): one engine in this process (vLLM's CPU build, the
 tiny model, ``kvtier_async.bench.e2e``'s engine settings), with every KV-connector hook,
 vLLM's ``Scheduler.schedule`` / ``update_from_output`` and ``EngineCore.step`` wrapped in a
 timer. For ``--prompts`` prompts of ``TOKENS`` tokens it computes each prompt, then times
 vLLM's own prefix-cache hit (the same prompt again) and, with the connector, the CPU tier's
-hit after vLLM's prefix cache was reset, and with ``--fs`` the fs tier's hit after our CPU
-tier was cleared as well; per case the median first token and, with ``--hooks``, the median
-time and calls of each hook within it (``step``: the engine's steps, each a round trip of
-the scheduler's hooks; ``(fs lookup jobs)`` and ``(fs promotion jobs)``: the fs tier's job
-run time in the case, from its counters). The first prompt is a warm-up.
+hit after vLLM's prefix cache was reset, and with ``--fs`` (or ``--obj``: ``rclone serve s3``
+on 127.0.0.1, started here) that tier's hit after our CPU tier was cleared as well; per case
+the median first token and, with ``--hooks``, the median time and calls of each hook within
+it (``step``: the engine's steps, each a round trip of the scheduler's hooks; ``(fs lookup
+jobs)`` and ``(fs promotion jobs)``, or obj's: the tier's job run time in the case, from its
+counters). The first prompt is a warm-up.
 
 ``--connector none`` runs the engine without our connector: its prefix-cache hit is the floor
 `kvtier bench e2e` compares with. The two modes run in separate processes one after the
@@ -20,12 +21,14 @@ Run in the e2e environment (``nox -s e2e`` builds it)::
     .nox/e2e/bin/python tools/trace_hit.py 2048 --connector none
     .nox/e2e/bin/python tools/trace_hit.py 2048 --hooks
     .nox/e2e/bin/python tools/trace_hit.py 2048 --hooks --fs
+    .nox/e2e/bin/python tools/trace_hit.py 2048 --hooks --obj
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import os
 import statistics
@@ -84,8 +87,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts, the first a warm-up")
     parser.add_argument("--connector", choices=("kvtier", "none"), default="kvtier")
     parser.add_argument("--hooks", action="store_true", help="show each hook's median time")
-    parser.add_argument(
+    second = parser.add_mutually_exclusive_group()
+    second.add_argument(
         "--fs", action="store_true", help="also our fs tier's hit (the CPU tier cleared first)"
+    )
+    second.add_argument(
+        "--obj", action="store_true", help="also our obj tier's hit, on rclone serve s3"
     )
     args = parser.parse_args()
     if args.tokens < 256 or args.prompts < 2:
@@ -107,11 +114,19 @@ def main() -> None:
         timed(Scheduler, name)
     timed(EngineCore, "step")
 
-    with tempfile.TemporaryDirectory(prefix="kvtier-trace-") as tmp:
+    tier_name = "obj" if args.obj else "fs"
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtier-trace-") as tmp,
+        contextlib.ExitStack() as stack,
+    ):
         model = str(build_tiny_model(Path(tmp) / "model"))
         engine: dict[str, Any] = dict(e2e.ENGINE)
         if args.connector == "kvtier":
             tier = {"type": "fs", "root_dir": str(Path(tmp) / "fs")}
+            if args.obj:
+                from kvtier_async.bench.rclone import RcloneS3Server
+
+                tier = stack.enter_context(RcloneS3Server("kvtier-trace")).tier_config()
             config = e2e._connector(tier)["kv_transfer_config"]
             engine["kv_transfer_config"] = KVTransferConfig(**config)
         llm = LLM(model=model, disable_log_stats=False, **engine)
@@ -124,23 +139,27 @@ def main() -> None:
                 core.step_fn()
                 time.sleep(0.001)
 
-        # The fs tier's counters (`kvtier_async.ledger.TierCounters`): its lanes' run time.
-        fs = (
+        # The second tier's counters (`kvtier_async.ledger.TierCounters`): its lanes' run time.
+        second = (
             core.scheduler.connector.scheduler.tiers[0]
-            if args.fs and args.connector == "kvtier"
+            if (args.fs or args.obj) and args.connector == "kvtier"
             else None
         )
 
         def first_token(prompt: list[int]) -> tuple[float, dict[str, float], dict[str, int]]:
             spent.clear()
             calls.clear()
-            was = fs.counters.copy() if fs is not None else None
+            was = second.counters.copy() if second is not None else None
             started = time.perf_counter()
             llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
             took = time.perf_counter() - started
-            if fs is not None and was is not None:
-                spent["(fs lookup jobs)"] = fs.counters.lookup_seconds - was.lookup_seconds
-                spent["(fs promotion jobs)"] = fs.counters.read_seconds - was.read_seconds
+            if second is not None and was is not None:
+                spent[f"({tier_name} lookup jobs)"] = (
+                    second.counters.lookup_seconds - was.lookup_seconds
+                )
+                spent[f"({tier_name} promotion jobs)"] = (
+                    second.counters.read_seconds - was.read_seconds
+                )
             return took, dict(spent), dict(calls)
 
         cases: dict[str, list[tuple[float, dict[str, float], dict[str, int]]]] = {}
@@ -154,9 +173,9 @@ def main() -> None:
             if args.connector == "kvtier":
                 cases.setdefault("our CPU tier's hit", []).append(first_token(prompt))
                 settle()
-                llm.reset_prefix_cache(reset_connector=args.fs)
-                if args.fs:  # our CPU tier cleared too: the blocks come from the files
-                    cases.setdefault("our fs tier's hit", []).append(first_token(prompt))
+                llm.reset_prefix_cache(reset_connector=second is not None)
+                if second is not None:  # our CPU tier cleared too: the blocks come from the tier
+                    cases.setdefault(f"our {tier_name} tier's hit", []).append(first_token(prompt))
                     settle()
                     llm.reset_prefix_cache(reset_connector=True)
         llm.llm_engine.engine_core.shutdown()
