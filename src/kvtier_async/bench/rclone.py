@@ -6,13 +6,13 @@ stands in for MinIO or S3 in the benchmarks (moto, a mock, spends 115 ms on the 
 2k-token prompt). rclone does not honour ``If-None-Match: *`` (it overwrites and answers
 200), so tests of conditional PUTs stay on moto.
 
-It runs with no MD5 ETags (``--etag-hash=``) and ``--no-checksum``: by default rclone's
-local backend hashes an object it serves (MD5, about 2 ms of server CPU per MiB here), and
-a GET of an object stored since the last read hashed it again. On this 2-core host the
-lookup of a 2k-token prompt's 15 fresh 512 KiB blocks took 18.3 ms with 26 ms of rclone
-CPU, and 9.3 ms with 5.6 ms of it with ``--no-checksum`` (2026-12-07, `kvtier bench obj`'s
-tier on 127.0.0.1). S3 and MinIO do not hash an object on each GET; the obj tier checks
-its own CRC-32C in every block either way.
+It runs with no MD5 ETags (``--etag-hash=``) and ``--no-checksum``: without the latter,
+rclone checksums what it serves (about 2 ms of server CPU per MiB here), most of all on the
+first read of an object stored since. On this 2-core host the lookup of a 2k-token prompt's
+15 fresh 512 KiB blocks took 18.3 ms with 26 ms of rclone CPU, and 9.3 ms with 5.6 ms of it
+with ``--no-checksum`` (2026-12-07, the obj tier alone on 127.0.0.1; ``docs/benchmarks.md``).
+S3 and MinIO do not hash an object on each GET; the obj tier checks its own CRC-32C in every
+block either way.
 
 `LatencyProxy` forwards 127.0.0.1:port to a target port and adds a round-trip time: each
 chunk is delivered ``rtt_s / 2`` after it arrived, in order, in either direction (a pipe's
