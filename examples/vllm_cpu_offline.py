@@ -58,7 +58,7 @@ def main() -> None:
 
     model = args.model
     if model is None:
-        from kvtier_async.bench.engine_kit import build_tiny_model
+        from kvtier_async.tiny_model import build_tiny_model
 
         model = str(build_tiny_model("kvtier-tiny-model"))
     root = args.root or tempfile.mkdtemp(prefix="kvtier-fs-")

@@ -1,7 +1,7 @@
 """The package's layers: no module imports from a layer above its own.
 
     foundation  <- ledger, memory, events  <- engine  <- tiers, transfer, kernels
-                <- api, integrations, vllm  <- cli, demo, ops, bench
+                <- api, integrations, vllm  <- cli, demo, ops, bench, tiny_model
 
 A module may import its own layer and the layers below it. `LAYERS` places every top-level
 module and subpackage of ``src/kvtier_async`` (and ``src/kernels``, installed as
@@ -10,7 +10,8 @@ foundation holds what everything may use (logging, the native-helper builder, th
 runtime loader, config parsing, the version); ``memory`` (the shared CPU region) sits with
 the sans-I/O ledger because tiers, transfers and tools build on it and it builds on nothing
 of ours; ``events`` turns ledger events into the public KV events. ``ops`` and ``bench``
-are command-line tools, at the level of ``cli``.
+are command-line tools, at the level of ``cli``, and so is ``tiny_model`` (the model that
+``kvtier tiny-model`` writes and the benchmarks serve).
 
 The walk reads every ``import`` and ``from ... import`` of the source with `ast`, relative
 imports and imports under ``if TYPE_CHECKING:`` included (a type-only upward import is still
@@ -45,7 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),
     ("tiers", "transfer", "kernels"),
     ("api", "assembly", "integrations", "metrics", "settings", "vllm", "fleet"),
-    ("cli", "demo", "doctor", "ops", "bench"),
+    ("cli", "demo", "doctor", "ops", "bench", "tiny_model"),
 )
 LEVEL = {part: level for level, parts in enumerate(LAYERS) for part in parts}
 
@@ -140,7 +141,7 @@ def test_no_module_imports_from_a_higher_layer() -> None:
         ("kvtier_async.ledger.keys", "import kvtier_async.api"),
         ("kvtier_async.memory.region", "from kvtier_async import api"),
         ("kvtier_async.transfer.handlers", "if TYPE_CHECKING:\n    from kvtier_async import cli"),
-        ("kvtier_async.api", "from kvtier_async.bench import vllm_kit"),
+        ("kvtier_async.api", "from kvtier_async.bench import kits"),
         ("kvtier_async._log", "from kvtier_async.engine import Engine"),
     ],
 )

@@ -34,9 +34,6 @@ THIRD_PARTY = {
     ("kvtier_async.integrations.vllm.metrics", "_TransferMetricName"): "vLLM's metric names",
     # The bench reports which of vLLM's fs I/O paths it compared with.
     ("kvtier_async.bench.fs_kit", "_HAS_FSIO_C"): "vLLM's fs tier: C or Python",
-    # The connector kit makes vLLM's worker region as vLLM's create_worker does.
-    ("kvtier_async.bench.vllm_kit.offload_worker", "_uses_shared_region"): "vLLM's spec",
-    ("kvtier_async.bench.vllm_kit.offload_worker", "_engine_id"): "vLLM's spec",
     ("kvtier_async.bench.gpu", "_sleep"): "torch.cuda's spin kernel, to hold a stream busy",
     ("kvtier_async.bench.s3server", "_server"): "moto leaves its listening socket open",
     ("kvtier_async.transfer.plan", "_handle"): "ctypes: a PyDLL over the loaded library",

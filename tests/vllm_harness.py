@@ -1,7 +1,7 @@
 """Helpers for tests that run vLLM 0.33's real scheduler with a KV connector (no tests here).
 
-The harness itself is the connector test kit, `kvtier_async.bench.vllm_kit` (the ``sched``
-benchmark uses it too). This module adds what tests share, connector presets and prompt
+The harness itself is the connector test kit, `vllm_kit` (``tests/kits/vllm_kit``; the
+``sched`` benchmark uses it too). This module adds what tests share, connector presets and prompt
 builders, and re-exports the harness's names lazily: importing this module does not import
 vLLM (which takes seconds); the first use of a harness name does, through `load`.
 
@@ -23,7 +23,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvtier_async.bench.vllm_kit import (
+    from vllm_kit import (
         TINY_LLAMA_CONFIG,
         FakeAttentionMetadata,
         FakeModel,
@@ -59,15 +59,15 @@ __all__ = [
 
 
 def load() -> ModuleType:
-    """Import `kvtier_async.bench.vllm_kit` (and so vLLM), silencing the deprecation
+    """Import `vllm_kit` (and so vLLM), silencing the deprecation
     warnings that importing vLLM draws from torch (pytest turns warnings into errors)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return importlib.import_module("kvtier_async.bench.vllm_kit")
+        return importlib.import_module("vllm_kit")
 
 
 def __getattr__(name: str) -> Any:
-    """The harness's names, from `kvtier_async.bench.vllm_kit` on first use."""
+    """The harness's names, from `vllm_kit` on first use."""
     if name in __all__:
         return getattr(load(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -105,8 +105,8 @@ def main() -> None:
     from vllm.v1.engine.core import EngineCore
 
     from kvtier_async.bench import e2e
-    from kvtier_async.bench.engine_kit import build_tiny_model, prompt_ids
     from kvtier_async.integrations.vllm.connector import KVTierConnector
+    from kvtier_async.tiny_model import build_tiny_model, prompt_ids
 
     for name in HOOKS:
         timed(KVTierConnector, name)

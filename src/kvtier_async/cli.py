@@ -1,9 +1,9 @@
 """The ``kvtier`` command: ``bench``, ``demo``, ``version``, the operations ``inspect``,
 ``gc`` and ``regions``, ``plan`` (CPU-tier capacity from a trace) (their work is in
 `kvtier_async.ops`; this module parses and prints),
-``tiny-model`` (the engine kit's local model), and ``vllm ...``: vLLM's own command line, for
+``tiny-model`` (a tiny local model vLLM can serve), and ``vllm ...``: vLLM's own command line, for
 vLLM's CPU wheel, whose ``vllm`` script cannot start (see
-`kvtier_async.bench.engine_kit.vllm_cli`); everything after ``vllm`` is vLLM's.
+`kvtier_async.integrations.vllm.cpu_cli`); everything after ``vllm`` is vLLM's.
 
 This is the only place that configures log output: `configure_logging` sends the library's
 ``logging`` records to stderr, rendered by structlog's console renderer: warnings and errors
@@ -60,9 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line *argv* (default ``sys.argv[1:]``); return the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["vllm"]:  # vLLM's CLI, its arguments untouched
-        from kvtier_async.bench.engine_kit import vllm_cli
+        from kvtier_async.integrations.vllm import cpu_cli
 
-        return vllm_cli.main(args_list[1:])
+        return cpu_cli.main(args_list[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if getattr(args, "check", False) and args.quick:
@@ -273,9 +273,9 @@ def _fleet(args: argparse.Namespace) -> int:
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
-    """``kvtier tiny-model DIR``: the engine kit's model (needs transformers, which vLLM
-    brings)."""
-    from kvtier_async.bench.engine_kit import build_tiny_model
+    """``kvtier tiny-model DIR``: `kvtier_async.tiny_model`'s model (needs transformers,
+    which vLLM brings)."""
+    from kvtier_async.tiny_model import build_tiny_model
 
     try:
         print(build_tiny_model(args.directory, seed=args.seed))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier_async.bench.engine_kit import prompt_ids
+from kvtier_async.tiny_model import prompt_ids
 
 BLOCK_TOKENS = 128  # vLLM's CPU backend's block size, set explicitly
 PROMPT_TOKENS = 600  # 4 full blocks and a partial one: 512 tokens can come from a cache

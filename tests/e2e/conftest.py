@@ -1,10 +1,10 @@
 """Fixtures of the e2e suite: real vLLM engines on vLLM's CPU build (``nox -s e2e``).
 
-Each engine is a process of its own (`kvtier_async.bench.engine_kit`), started once per
-configuration for the whole session: a fixture runs one engine through every step its tests
-check, and each test asserts one property of the result, so a test costs no engine start of
-its own. Hits are counted with vLLM's own numbers (``num_cached_tokens``, the prefix-cache
-and external-prefix-cache counters), never ours.
+Each engine is a process of its own (the engine kit: `engine_kit`, in ``tests/kits``),
+started once per configuration for the whole session: a fixture runs one engine through
+every step its tests check, and each test asserts one property of the result, so a test
+costs no engine start of its own. Hits are counted with vLLM's own numbers
+(``num_cached_tokens``, the prefix-cache and external-prefix-cache counters), never ours.
 
 The model is built locally (`build_tiny_model`), in ``$KVTIER_E2E_MODEL`` when set (nox keeps
 it in its folder between runs), else in a temporary directory. The S3 endpoint is moto's
@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from _e2e import ENGINE, PROMPTS, generate
 
-from kvtier_async.bench.engine_kit import run_engine
+from engine_kit import run_engine
 from kvtier_async.bench.s3server import MotoS3Server
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_async.bench.engine_kit import engine_env
+from engine_kit import engine_env
 
 pytestmark = pytest.mark.e2e
 

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 from _e2e import BLOCK_BYTES, BLOCK_TOKENS, ENGINE, connector
 
-from kvtier_async.bench.engine_kit import engine_env
-from kvtier_async.bench.engine_kit.launch import stop_group
+from engine_kit import engine_env
+from engine_kit.launch import stop_group
 
 pytestmark = pytest.mark.e2e
 

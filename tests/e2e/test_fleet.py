@@ -36,8 +36,8 @@ from typing import Any
 import pytest
 from _e2e import BLOCK_TOKENS
 
-from kvtier_async.bench.engine_kit import prompt_ids
 from kvtier_async.fleet import BlockHasher
+from kvtier_async.tiny_model import prompt_ids
 
 pytestmark = [
     pytest.mark.e2e,

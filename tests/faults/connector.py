@@ -1,6 +1,6 @@
 """The vLLM connector in vLLM 0.33's real Scheduler with its secondary tier failing mid-run.
 
-`kvtier_async.bench.vllm_kit`'s harness runs the real Scheduler and a fake model whose K/V
+`vllm_kit`'s harness (``tests/kits``) runs the real Scheduler and a fake model whose K/V
 bytes are known per token prefix: its attention checks every byte of context it reads (cache
 hits and loads alike) and raises `KVMismatch` on the first wrong one. Our connector has a
 CPU tier of 8 blocks and one secondary tier, so blocks are cascaded and promoted all the time.

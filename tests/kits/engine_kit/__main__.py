@@ -1,4 +1,4 @@
-"""One vLLM engine, one scenario: ``python -m kvtier_async.bench.engine_kit SPEC OUT``.
+"""One vLLM engine, one scenario: ``python -m engine_kit SPEC OUT`` (``tests/kits`` on the path).
 
 A scenario runs in a process of its own (vLLM's engine owns process-wide state: its
 distributed group, its thread binding, its signal handlers), so the e2e tests and
@@ -163,7 +163,7 @@ def _do(llm: Any, op: Mapping[str, Any], index: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m kvtier_async.bench.engine_kit SPEC.json OUT.json")
+        print("usage: python -m engine_kit SPEC.json OUT.json")
         return 2
     spec_path, out_path = args
     with open(spec_path) as f:

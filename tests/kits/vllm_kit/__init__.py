@@ -1,13 +1,14 @@
 """The connector harness: vLLM 0.33's real scheduler and a fake model, on the CPU.
 
-For benchmarking and testing a KV connector inside vLLM's own `Scheduler` without a GPU:
-``kvtier bench sched`` (a user command) runs on it, so it ships in the package, imported
-only when that command runs; the project's connector tests use it too. Importing it imports vLLM,
-which the kit needs installed beside the package: vLLM 0.33.0 (on a CPU-only torch, its
-scheduler side with ``--no-deps``, as ``nox -s bench`` installs it); the rest of the kit's
-needs come with the ``bench`` extra. The engine and the connector never import it.
+For testing and benchmarking a KV connector inside vLLM's own `Scheduler` without a GPU:
+the project's connector tests run on it, and so does ``kvtier bench sched`` from a source
+checkout (`kvtier_async.bench.kits` finds it here, in ``tests/kits``; it is a test kit and
+is not in the wheel). Importing it imports vLLM, which the kit needs installed beside the
+package: vLLM 0.33.0 (on a CPU-only torch, its scheduler side with ``--no-deps``, as ``nox
+-s bench`` installs it); the rest of its needs come with the ``bench`` extra. The engine and
+the connector never import it.
 
-    from kvtier_async.bench.vllm_kit import VllmHarness
+    from vllm_kit import VllmHarness     # tests/kits on sys.path (pytest's pythonpath)
 
     with VllmHarness(connector="KVTierConnector",
                      connector_module_path="kvtier_async.vllm",
