@@ -3,6 +3,7 @@ tree (``tests/kits``), and say how to run them where there is none (a wheel)."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -52,3 +53,23 @@ def test_the_package_holds_no_kit() -> None:
     package = Path(kits.__file__).resolve().parent
     assert not (package / "vllm_kit").exists()
     assert not (package / "engine_kit").exists()
+
+
+def test_bench_sched_without_its_kit_says_where_it_lives_and_reports_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if importlib.util.find_spec("vllm") is None:  # found, not imported: the kit would import it
+        pytest.skip("vLLM is not installed: sched stops before its kit")
+    from kvtier_async.bench import sched
+
+    _without_kits(monkeypatch)
+    monkeypatch.setattr(kits, "checkout_kits", lambda: None)
+    for name in ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM", "HF_HUB_OFFLINE"):
+        # sched sets them; set, then deleted, each is put back as it was after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    said: list[str] = []
+    assert sched.run(quick=True, progress=said.append) == []
+    assert len(said) == 1
+    assert said[0].startswith("sched: needs the connector harness")
+    assert "tests/kits/vllm_kit" in said[0]

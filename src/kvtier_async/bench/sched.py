@@ -179,14 +179,14 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
     if importlib.util.find_spec("vllm") is None:
         say("sched: vLLM is not installed; nothing to measure")
         return []
-    _quiet_vllm()
-    trace = make_trace(QUICK_REQUESTS if quick else NUM_REQUESTS)
-    repeats = 1 if quick else REPEATS
+    _quiet_vllm()  # before the kit imports vLLM
     try:
         sim = kits.load("vllm_kit")
     except kits.KitMissingError as exc:
         say(f"sched: {exc}; nothing measured")
         return []
+    trace = make_trace(QUICK_REQUESTS if quick else NUM_REQUESTS)
+    repeats = 1 if quick else REPEATS
     ours = _find_ours()
     if ours is None:
         say(f"sched: ours skipped: no {OUR_CONNECTOR[0]} in {' or '.join(OUR_CONNECTOR[1])}")
