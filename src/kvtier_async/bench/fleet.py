@@ -28,6 +28,12 @@ never evicts here, so a block promoted into it is one this engine did not hold).
 round robin's hit rate at least 0.9x the single engine's; ours at least 1.2x faster than
 vllm-router's cache-aware policy at TTFT p50. The index alone: its memory per million
 blocks and the time of a match for a 4k-token prompt (a budget, not a reference).
+
+Where the host's CPU went during each replay, per role (the router, the engines with their
+engine-core processes, the S3 server, this client): the CPU seconds of each role's process
+session, read from ``/proc`` before and after, printed per case with the share of the host's
+cores, and the router's CPU per request as a record. On a host whose engines share its cores
+with everything else, a router's own CPU is time the engines do not get.
 """
 
 from __future__ import annotations
@@ -266,6 +272,8 @@ class Outcome:
     shared_hits: float
     routes: collections.Counter[str]
     why_failed: collections.Counter[str]  # failed requests by what went wrong
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds by role
+    wall_s: float = 0.0  # the replay's
 
     @property
     def failures(self) -> int:
@@ -327,6 +335,31 @@ async def _replay(
     return ttfts, failures, routes
 
 
+def _session_cpu_s(sid: int) -> float:
+    """CPU seconds (user and system) of the processes now in session ``sid`` (``/proc``)."""
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # it exited meanwhile
+        # After the command's name: state, ppid, pgrp, session, ..., utime (12th), stime.
+        if int(fields[3]) == sid:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _roles(fleet: Fleet, case: str) -> dict[str, int]:
+    """Each role's session (its leader's pid): each was started in a session of its own."""
+    roles = {f"engine {e}": int((fleet.run_dir / f"{e}.pid").read_text()) for e in fleet.engines}
+    roles["s3"] = int((fleet.run_dir / "s3.pid").read_text())
+    if case == "kvtier":
+        roles["router"] = int((fleet.run_dir / "router.pid").read_text())
+    elif fleet.router is not None:
+        roles["router"] = fleet.router.pid
+    return roles
+
+
 def _run_case(
     case: str, model: Path, trace: Sequence[Request], cpu_bytes: int, say: Callable[[str], None]
 ) -> Outcome:
@@ -342,7 +375,13 @@ def _run_case(
         else:
             url = fleet.vllm_router("round_robin" if case == "round-robin" else "cache_aware")
         say(f"fleet {case}: replaying {len(trace)} requests")
+        roles = _roles(fleet, case)
+        cpu_before = {role: _session_cpu_s(sid) for role, sid in roles.items()}
+        client_before, wall_before = time.process_time(), time.perf_counter()
         ttfts, failures, routes = asyncio.run(_replay(url, trace))
+        wall_s = time.perf_counter() - wall_before
+        cpu_s = {role: _session_cpu_s(sid) - cpu_before[role] for role, sid in roles.items()}
+        cpu_s["client"] = time.process_time() - client_before
         time.sleep(2.5)  # vLLM folds a step's stats into /metrics with the next payload
         for engine in engines:  # a step that carries the last payload
             _complete_short(fleet.url(engine))
@@ -360,7 +399,19 @@ def _run_case(
         shared * BLOCK_TOKENS,
         routes,
         failures,
+        cpu_s,
+        wall_s,
     )
+
+
+def _cpu_line(outcome: Outcome) -> str:
+    """Where the CPU went in a replay: seconds and share of the host's cores, per role."""
+    cores = os.cpu_count() or 1
+    capacity = max(outcome.wall_s * cores, 1e-9)
+    engines = sum(v for k, v in outcome.cpu_s.items() if k.startswith("engine "))
+    parts = {"engines": engines, **{k: v for k, v in outcome.cpu_s.items() if "engine" not in k}}
+    shown = ", ".join(f"{k} {v:.1f} s ({v / capacity:.0%})" for k, v in parts.items())
+    return f"CPU in {outcome.wall_s:.0f} s of replay on {cores} cores: {shown}"
 
 
 def _complete_short(url: str) -> None:
@@ -477,6 +528,7 @@ def run(*, quick: bool = False, progress: Callable[[str], None] | None = None) -
                 f"{outcome.shared_share:.3f}, failures {outcome.failures}, "
                 f"routes {dict(outcome.routes)}"
             )
+            say(f"fleet {case}: {_cpu_line(outcome)}")
             for why, count in outcome.why_failed.items():
                 say(f"fleet {case}: {count} failed: {why}")
     return records + _records(outcomes)
@@ -490,6 +542,10 @@ def _records(outcomes: dict[str, list[Outcome]]) -> list[BenchRecord]:
         for o in runs:
             total.update(o.routes)
             why.update(o.why_failed)
+        cpu: dict[str, float] = collections.defaultdict(float)
+        for o in runs:
+            for role, seconds in o.cpu_s.items():
+                cpu[role] += seconds
         return Outcome(
             case,
             ttft,
@@ -499,6 +555,8 @@ def _records(outcomes: dict[str, list[Outcome]]) -> list[BenchRecord]:
             sum(o.shared_hits for o in runs),
             total,
             why,
+            cpu,
+            sum(o.wall_s for o in runs),
         )
 
     cases = {case: merged(case) for case in CASES}
@@ -550,6 +608,18 @@ def _records(outcomes: dict[str, list[Outcome]]) -> list[BenchRecord]:
                 o.shared_share,
             )
         )
+        if o.cpu_s.get("router", 0.0) > 0 and ca.cpu_s.get("router", 0.0) > 0:
+            out.append(
+                latency_record(
+                    "fleet",
+                    f"{case}: the router's CPU per request",
+                    "s",
+                    o.cpu_s["router"] / max(len(o.ttft_s), 1),
+                    reference=ca.cpu_s["router"] / max(len(ca.ttft_s), 1),
+                    reference_name="vllm-router cache_aware's, same trace and fleet",
+                    unit="s",
+                )
+            )
         if o.failures:
             out.append(BenchRecord("fleet", f"{case}: failed requests", "requests", o.failures))
     return out
