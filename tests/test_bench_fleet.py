@@ -32,13 +32,15 @@ def test_a_session_s_cpu_is_read_from_proc() -> None:
         assert child.stdin is not None and child.stdout is not None
         try:
             own = float(child.stdout.readline())  # the child's own count, once it has burnt
-            seen = fleet._session_cpu_s(child.pid)
+            seen = fleet._sessions_cpu_s([child.pid])[child.pid]
         finally:
             child.stdin.close()  # its read ends: it exits
             child.wait(timeout=60)
     assert own >= 0.3
     assert seen >= own - 0.05  # clock ticks: 10 ms each
-    assert fleet._session_cpu_s(child.pid) == 0.0  # no process is left in the session
+    assert fleet._sessions_cpu_s([child.pid]) == {
+        child.pid: 0.0
+    }  # no process is left in the session
 
 
 def _outcome(case: str, router_s: float | None, requests: int = 10) -> fleet.Outcome:

@@ -53,7 +53,7 @@ import tempfile
 import time
 import tracemalloc
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -335,18 +335,21 @@ async def _replay(
     return ttfts, failures, routes
 
 
-def _session_cpu_s(sid: int) -> float:
-    """CPU seconds (user and system) of the processes now in session ``sid`` (``/proc``)."""
-    ticks = 0
+def _sessions_cpu_s(sids: Collection[int]) -> dict[int, float]:
+    """CPU seconds (user and system) of the processes now in each of the sessions ``sids``,
+    from one pass over ``/proc``."""
+    ticks = dict.fromkeys(sids, 0)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rpartition(")")[2].split()
         except OSError:
             continue  # it exited meanwhile
         # After the command's name: state, ppid, pgrp, session, ..., utime (12th), stime.
-        if int(fields[3]) == sid:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+        sid = int(fields[3])
+        if sid in ticks:
+            ticks[sid] += int(fields[11]) + int(fields[12])
+    tick_s = os.sysconf("SC_CLK_TCK")
+    return {sid: n / tick_s for sid, n in ticks.items()}
 
 
 def _roles(fleet: Fleet, case: str) -> dict[str, int]:
@@ -376,11 +379,12 @@ def _run_case(
             url = fleet.vllm_router("round_robin" if case == "round-robin" else "cache_aware")
         say(f"fleet {case}: replaying {len(trace)} requests")
         roles = _roles(fleet, case)
-        cpu_before = {role: _session_cpu_s(sid) for role, sid in roles.items()}
+        cpu_before = _sessions_cpu_s(roles.values())
         client_before, wall_before = time.process_time(), time.perf_counter()
         ttfts, failures, routes = asyncio.run(_replay(url, trace))
         wall_s = time.perf_counter() - wall_before
-        cpu_s = {role: _session_cpu_s(sid) - cpu_before[role] for role, sid in roles.items()}
+        cpu_after = _sessions_cpu_s(roles.values())
+        cpu_s = {role: cpu_after[sid] - cpu_before[sid] for role, sid in roles.items()}
         cpu_s["client"] = time.process_time() - client_before
         time.sleep(2.5)  # vLLM folds a step's stats into /metrics with the next payload
         for engine in engines:  # a step that carries the last payload
@@ -409,7 +413,8 @@ def _cpu_line(outcome: Outcome) -> str:
     cores = os.cpu_count() or 1
     capacity = max(outcome.wall_s * cores, 1e-9)
     engines = sum(v for k, v in outcome.cpu_s.items() if k.startswith("engine "))
-    parts = {"engines": engines, **{k: v for k, v in outcome.cpu_s.items() if "engine" not in k}}
+    others = {k: v for k, v in outcome.cpu_s.items() if not k.startswith("engine ")}
+    parts = {"engines": engines, **others}
     shown = ", ".join(f"{k} {v:.1f} s ({v / capacity:.0%})" for k, v in parts.items())
     return f"CPU in {outcome.wall_s:.0f} s of replay on {cores} cores: {shown}"
 
@@ -539,11 +544,10 @@ def _records(outcomes: dict[str, list[Outcome]]) -> list[BenchRecord]:
         runs = outcomes[case]
         ttft = [t for o in runs for t in o.ttft_s]
         total, why = collections.Counter[str](), collections.Counter[str]()
+        cpu: dict[str, float] = collections.defaultdict(float)
         for o in runs:
             total.update(o.routes)
             why.update(o.why_failed)
-        cpu: dict[str, float] = collections.defaultdict(float)
-        for o in runs:
             for role, seconds in o.cpu_s.items():
                 cpu[role] += seconds
         return Outcome(
